@@ -16,6 +16,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 
+TESTS_ROOT = os.path.dirname(os.path.abspath(__file__))
+TEST_DIRS = [os.path.dirname(TESTS_ROOT), TESTS_ROOT, *(os.path.join(TESTS_ROOT, d) for d in ("unit", "integration"))]
 RAY_LOGICAL_CPUS = 16
 RAY_LOGICAL_GPUS = 8
 
@@ -41,7 +43,8 @@ def ray_cluster():
             _node_ip_address="127.0.0.1",
             include_dashboard=False,
             log_to_driver=False,
-            runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}},
+            # Test modules define worker classes; Ray workers import them by module name from these folders.
+            runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([*TEST_DIRS, os.environ.get("PYTHONPATH", "")])}},
         )
     yield ray
     ray.shutdown()
