@@ -1,0 +1,172 @@
+"""Plan one group call: which ranks run, with which arguments, and how their results are collected.
+
+Pure logic, no transport: `WorkerGroup` executes the plan (on Ray actors) and `GroupFuture` applies its
+collect step. Rules per dispatch mode:
+
+* ONE_TO_ALL: the same arguments to every rank (rank 0 only under Execute.RANK_ZERO).
+* ALL_TO_ALL: every argument is a list of world-size items; rank r gets item r of each.
+* DP_COMPUTE and nd_compute: every data argument (see `splitting`) is cut into n equal chunks, n = the DP size;
+  rank r gets chunk layout.chunk_of_rank[r]; non-data arguments go unchanged to every rank. All data arguments
+  must have the same length L. If n does not divide L the call fails unless the method was registered with
+  pad=True, in which case every data argument is padded by p = -L mod n rows and the concatenated result loses
+  its last p rows. Only the collect ranks' results are kept (others return None, so TP/PP duplicates never
+  travel); the result is their concatenation in DP order, or their list when they are not data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mrl.controller import splitting
+from mrl.controller.decorator import Dispatch, Execute, RegisterSpec
+from mrl.controller.future import CollectPlan, Gather, GroupFuture
+from mrl.controller.mesh import DispatchLayout
+
+
+@dataclass
+class CallPlan:
+    ranks: list[int]
+    args: list[tuple[Any, ...]]
+    kwargs: list[dict[str, Any]]
+    keep: list[bool]  # whether rank ranks[i] must return its result (False: return None)
+    collect: CollectPlan
+
+
+def plan_call(
+    method: str,
+    spec: RegisterSpec,
+    world_size: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    layout: DispatchLayout | None = None,
+) -> CallPlan:
+    """`layout` is needed for splitting modes (DispatchLayout.data_parallel(world_size) for DP_COMPUTE)."""
+    if spec.splits_data:
+        if layout is None:
+            raise ValueError(f"{method}: a splitting dispatch mode needs a DispatchLayout")
+        return _plan_split(method, spec, layout, args, kwargs)
+    if spec.dispatch_mode is Dispatch.ALL_TO_ALL:
+        return _plan_all_to_all(method, world_size, args, kwargs)
+    ranks = [0] if spec.execute_mode is Execute.RANK_ZERO else list(range(world_size))
+    args = tuple(_gather_future(a) for a in args)
+    kwargs = {k: _gather_future(v) for k, v in kwargs.items()}
+    how = "single" if spec.execute_mode is Execute.RANK_ZERO else "list"
+    n = len(ranks)
+    return CallPlan(ranks, [args] * n, [kwargs] * n, [True] * n, CollectPlan(tuple(range(n)), how))
+
+
+def _gather_future(value: Any) -> Any:
+    return Gather.of(value) if isinstance(value, GroupFuture) else value
+
+
+def _plan_all_to_all(method: str, world_size: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallPlan:
+    def per_rank(name: str, value: Any) -> list[Any]:
+        if isinstance(value, GroupFuture):
+            if value.collect.how == "list" and len(value.collect.indices) == world_size:
+                return value.parts  # one result per rank: forward rank i's ref to rank i
+            value = value.get()
+        if not isinstance(value, list | tuple) or len(value) != world_size:
+            got = f"{type(value).__name__} of {len(value)}" if isinstance(value, list | tuple) else type(value).__name__
+            raise ValueError(
+                f"{method} (ALL_TO_ALL): argument {name} must be a list with one item per rank "
+                f"({world_size}), got {got}"
+            )
+        return list(value)
+
+    pos = [per_rank(f"#{i}", a) for i, a in enumerate(args)]
+    kw = {k: per_rank(repr(k), v) for k, v in kwargs.items()}
+    ranks = list(range(world_size))
+    return CallPlan(
+        ranks,
+        [tuple(p[r] for p in pos) for r in ranks],
+        [{k: v[r] for k, v in kw.items()} for r in ranks],
+        [True] * world_size,
+        CollectPlan(tuple(ranks), "list"),
+    )
+
+
+def _divisibility_error(method: str, length: int, n: int) -> ValueError:
+    return ValueError(
+        f"{method}: batch size {length} is not divisible by the data-parallel size {n} "
+        f"({length} = {length // n}×{n} + {length % n}). Training calls never get dispatch padding: make the "
+        "batch divisible (the trainer adds no-op samples with an all-zero loss mask), or register a read-only "
+        "method with pad=True."
+    )
+
+
+def _plan_split(
+    method: str, spec: RegisterSpec, layout: DispatchLayout, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> CallPlan:
+    n = layout.n_chunks
+    items = [(f"#{i}", a) for i, a in enumerate(args)] + [(repr(k), v) for k, v in kwargs.items()]
+
+    lengths = {name: splitting.data_len(v) for name, v in items if splitting.is_data(v)}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"{method}: data arguments must have the same number of rows, got {lengths}")
+    length = next(iter(lengths.values()), None)
+    pad = None if length is None else -length % n
+    if pad and not spec.pad:
+        raise _divisibility_error(method, length, n)
+
+    # A future is forwarded chunk-wise when its chunks line up with this call's: same count, same padding,
+    # and padding only where this method accepts it. Otherwise the driver resolves it (see future.py).
+    chunked: dict[str, list[Any]] = {}
+    resolved: dict[str, Any] = {}
+    for name, v in items:
+        if not isinstance(v, GroupFuture):
+            continue
+        p = v.collect.pad_count
+        forwardable = v.collect.how == "concat" and len(v.collect.indices) == n and (p == 0 or spec.pad)
+        if forwardable and (pad is None or p == pad):
+            chunked[name] = v.parts
+            pad = p
+            continue
+        value = v.get()
+        resolved[name] = value
+        if splitting.is_data(value):
+            length_v = splitting.data_len(value)
+            if length is not None and length_v != length:
+                raise ValueError(
+                    f"{method}: data arguments must have the same number of rows, got { {**lengths, name: length_v} }"
+                )
+            length = length_v
+            pad_v = -length_v % n
+            if pad_v and not spec.pad:
+                raise _divisibility_error(method, length_v, n)
+            if pad is not None and pad_v != pad:
+                raise ValueError(
+                    f"{method}: argument {name} needs {pad_v} padded rows but an earlier argument was padded by {pad}"
+                )
+            pad = pad_v
+
+    for name, v in items:
+        if name in chunked:
+            continue
+        v = resolved.get(name, v)
+        if splitting.is_data(v):
+            padded, p = splitting.pad_to_divisible(v, n) if pad else (v, 0)
+            if p != (pad or 0):
+                raise ValueError(f"{method}: padding argument {name} added {p} rows, expected {pad}")
+            chunked[name] = splitting.split(padded, n)
+        else:
+            resolved[name] = v
+
+    def value_for(name: str, chunk: int) -> Any:
+        return chunked[name][chunk] if name in chunked else resolved[name]
+
+    ranks = list(range(len(layout.chunk_of_rank)))
+    collect_set = set(layout.collect_ranks)
+    n_pos = len(args)
+    per_rank_args, per_rank_kwargs = [], []
+    for r in ranks:
+        c = layout.chunk_of_rank[r]
+        per_rank_args.append(tuple(value_for(name, c) for name, _ in items[:n_pos]))
+        per_rank_kwargs.append({k: value_for(repr(k), c) for k in kwargs})
+    return CallPlan(
+        ranks,
+        per_rank_args,
+        per_rank_kwargs,
+        [r in collect_set for r in ranks],
+        CollectPlan(layout.collect_ranks, "concat", pad or 0),
+    )

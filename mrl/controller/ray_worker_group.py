@@ -1,0 +1,128 @@
+"""`RayWorkerGroup`: a `WorkerGroup` whose workers are Ray actors, one per device slot of a `RayResourcePool`."""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+import ray
+
+from mrl.controller.future import Gather
+from mrl.controller.resource_pool import RayResourcePool, node_ip, placement_options
+from mrl.controller.worker import DEFAULT_MASTER_ADDR
+from mrl.controller.worker_group import WorkerGroup
+
+
+class RayClassWithInitArgs:
+    """A worker class with its constructor arguments and extra Ray actor options (e.g. runtime_env)."""
+
+    def __init__(self, cls: type, *args: Any, **kwargs: Any) -> None:
+        self.cls = cls
+        self.args = args
+        self.kwargs = kwargs
+        self.options: dict[str, Any] = {}
+
+    def update_options(self, **options: Any) -> RayClassWithInitArgs:
+        self.options.update(options)
+        return self
+
+
+def _shareable(value: Any) -> bool:
+    """Worth one ray.put when several ranks receive the same object (a chunk seen by all TP ranks of a DP
+    group, a ONE_TO_ALL batch): small scalars and refs are not."""
+    return not isinstance(value, str | int | float | bool | bytes | type(None) | ray.ObjectRef | Gather)
+
+
+class RayWorkerGroup(WorkerGroup):
+    def __init__(
+        self,
+        resource_pool: RayResourcePool,
+        ray_cls_with_init: RayClassWithInitArgs,
+        name_prefix: str | None = None,
+        master_addr: str | None = DEFAULT_MASTER_ADDR,
+    ) -> None:
+        """Create one actor per slot of resource_pool, named `{name_prefix}_{rank}`.
+
+        Rank 0 starts first and chooses MASTER_PORT on master_addr; the other ranks start with that address and
+        port in their environment. master_addr=None uses the IP of rank 0's node (needed across nodes).
+        """
+        super().__init__(resource_pool.world_size)
+        self.name_prefix = name_prefix or f"{ray_cls_with_init.cls.__name__}_{uuid.uuid4().hex[:8]}"
+        self._worker_cls = ray_cls_with_init.cls
+        self._workers = self._create_workers(resource_pool, ray_cls_with_init, master_addr)
+        self._bind_worker_methods(self._worker_cls)
+
+    def _create_workers(self, pool: RayResourcePool, rc: RayClassWithInitArgs, master_addr: str) -> list[Any]:
+        remote_cls = ray.remote(rc.cls)
+        slots = pool.slots()
+        rendezvous = {"MASTER_ADDR": master_addr or node_ip(*slots[0])}
+        workers = []
+        for rank, (pg, bundle) in enumerate(slots):
+            env = {"RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(bundle), **rendezvous}
+            options = {**placement_options(pool, pg, bundle), "name": f"{self.name_prefix}_{rank}", **rc.options}
+            runtime_env = dict(options.pop("runtime_env", None) or {})
+            runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **env}
+            worker = remote_cls.options(runtime_env=runtime_env, **options).remote(*rc.args, **rc.kwargs)
+            if rank == 0:
+                addr, port = ray.get(worker._mrl_master_addr_port.remote())
+                rendezvous = {"MASTER_ADDR": addr, "MASTER_PORT": str(port)}
+            workers.append(worker)
+        return workers
+
+    @classmethod
+    def _role_view(cls, parent: RayWorkerGroup, role: str, role_cls: type) -> RayWorkerGroup:
+        view = cls.__new__(cls)
+        WorkerGroup.__init__(view, parent.world_size, role=role)
+        view.name_prefix = parent.name_prefix
+        view._worker_cls = role_cls
+        view._workers = parent._workers
+        view._bind_worker_methods(role_cls, worker_prefix=f"{role}_")
+        return view
+
+    @property
+    def workers(self) -> list[Any]:
+        return list(self._workers)
+
+    @property
+    def worker_names(self) -> list[str]:
+        return [f"{self.name_prefix}_{rank}" for rank in range(self.world_size)]
+
+    def spawn(self, prefix_set: Iterable[str]) -> dict[str, RayWorkerGroup]:
+        """Per-role views over the actors of a colocated worker (create_colocated_worker_cls): view.m(...)
+        calls the worker method `{role}_m`, nd_compute uses the role's meshes; the actors are the same."""
+        roles = getattr(self._worker_cls, "_mrl_roles", None)
+        if roles is None:
+            raise TypeError(f"{self._worker_cls.__name__} is not a colocated worker class; nothing to spawn")
+        unknown = sorted(set(prefix_set) - set(roles))
+        if unknown:
+            raise KeyError(f"no role(s) {unknown} in this colocated group; roles: {sorted(roles)}")
+        return {role: self._role_view(self, role, roles[role]) for role in prefix_set}
+
+    def _execute(
+        self, method: str, ranks: list[int], args: list[tuple[Any, ...]], kwargs: list[dict[str, Any]], keep: list[bool]
+    ) -> list[Any]:
+        # Objects sent to several ranks go to the object store once instead of once per task.
+        counts = Counter(id(v) for a, k in zip(args, kwargs) for v in (*a, *k.values()) if _shareable(v))
+        refs: dict[int, Any] = {}
+
+        def ship(v: Any) -> Any:
+            if counts.get(id(v), 0) < 2 or not _shareable(v):
+                return v
+            if id(v) not in refs:
+                refs[id(v)] = ray.put(v)
+            return refs[id(v)]
+
+        return [
+            self._workers[r]._mrl_execute.remote(method, keep_r, *map(ship, a), **{n: ship(v) for n, v in k.items()})
+            for r, a, k, keep_r in zip(ranks, args, kwargs, keep)
+        ]
+
+    def _resolve(self, handles: list[Any]) -> list[Any]:
+        return ray.get(handles)
+
+    def kill(self) -> None:
+        """Stop the actors (views share them: kill through one handle only)."""
+        for w in self._workers:
+            ray.kill(w)

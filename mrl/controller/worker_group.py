@@ -1,0 +1,96 @@
+"""`WorkerGroup`: one handle over the workers of a role; `@register`ed worker methods become group methods.
+
+A group method runs `dispatch.plan_call` (split), hands the per-rank calls to the transport (`_execute`), and
+either waits and collects (blocking) or returns a `GroupFuture`. Transports (Ray: `RayWorkerGroup`) implement
+`_execute` and `_resolve` only.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from mrl.controller.decorator import NDCompute, RegisterSpec, get_register_spec
+from mrl.controller.dispatch import plan_call
+from mrl.controller.future import GroupFuture
+from mrl.controller.mesh import DispatchLayout
+
+
+def registered_methods(cls: type) -> dict[str, tuple[Callable[..., Any], RegisterSpec]]:
+    """Every `@register`ed method of cls (inherited ones included), by name."""
+    found = {}
+    for name in dir(cls):
+        fn = getattr(cls, name, None)
+        spec = get_register_spec(fn)
+        if spec is not None:
+            found[name] = (fn, spec)
+    return found
+
+
+class WorkerGroup:
+    def __init__(self, world_size: int, role: str | None = None) -> None:
+        self._world_size = world_size
+        # A view over one role of a colocated worker: its methods and meshes are the role object's.
+        self._role = role
+        self._layouts: dict[str, DispatchLayout] = {}
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    # --- transport ---
+
+    def _execute(
+        self, method: str, ranks: list[int], args: list[tuple[Any, ...]], kwargs: list[dict[str, Any]], keep: list[bool]
+    ) -> list[Any]:
+        """Start method on each rank in ranks (call i with args[i], kwargs[i]); return one handle per call."""
+        raise NotImplementedError
+
+    def _resolve(self, handles: list[Any]) -> list[Any]:
+        """Wait for handles and return their values, raising the first worker error."""
+        raise NotImplementedError
+
+    # --- binding ---
+
+    def _bind_worker_methods(self, cls: type, worker_prefix: str = "") -> None:
+        """Create a group method for each registered method of cls. A group method `m` calls the worker method
+        `worker_prefix + m` (the prefixed copy of a role's method on a colocated worker)."""
+        for name, (fn, spec) in registered_methods(cls).items():
+            if hasattr(self, name):
+                raise AttributeError(f"worker method {cls.__name__}.{name} collides with a WorkerGroup attribute")
+            setattr(self, name, self._group_method(worker_prefix + name, fn, spec))
+
+    def _group_method(self, worker_method: str, fn: Callable[..., Any], spec: RegisterSpec) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def group_method(*args: Any, **kwargs: Any) -> Any:
+            return self.call(worker_method, spec, *args, **kwargs)
+
+        return group_method
+
+    def call(self, worker_method: str, spec: RegisterSpec, *args: Any, **kwargs: Any) -> Any:
+        """Split → execute on the workers → collect (or a GroupFuture when the spec is non-blocking)."""
+        layout = self._layout(spec)
+        plan = plan_call(worker_method, spec, self._world_size, args, kwargs, layout)
+        handles = self._execute(worker_method, plan.ranks, plan.args, plan.kwargs, plan.keep)
+        future = GroupFuture(handles, plan.collect, self._resolve)
+        return future.get() if spec.blocking else future
+
+    # --- meshes ---
+
+    def _layout(self, spec: RegisterSpec) -> DispatchLayout | None:
+        mode = spec.dispatch_mode
+        if isinstance(mode, NDCompute):
+            return self.dispatch_layout(mode.mesh_name)
+        return DispatchLayout.data_parallel(self._world_size) if spec.splits_data else None
+
+    def dispatch_layout(self, mesh_name: str) -> DispatchLayout:
+        """The layout of the named mesh, asked from every worker on first use and cached: meshes are fixed once
+        registered (a rank's place in TP/PP/DP does not change during a run)."""
+        if mesh_name not in self._layouts:
+            ranks = list(range(self._world_size))
+            handles = self._execute(
+                "_mrl_mesh_info", ranks, [(mesh_name, self._role)] * len(ranks), [{}] * len(ranks), [True] * len(ranks)
+            )
+            self._layouts[mesh_name] = DispatchLayout.from_meshes(mesh_name, self._resolve(handles))
+        return self._layouts[mesh_name]
