@@ -1,0 +1,72 @@
+"""The actor objective a trainer's loss_fn evaluates on one micro-batch.
+
+    L = agg(w ⊙ ℓ_pg) − entropy_coeff · agg(H) + kl_loss_coef · agg(k(π, π_ref))
+
+with ℓ_pg from `actor.policy_loss.loss_mode`, w the rollout-correction IS weights (1 when absent), H the per-token
+entropy, k the `kl_loss_type` estimator, and every agg the same `loss_agg_mode` over the same step-global
+`LossNormalizer` — so the returned value is this micro-batch's share and the engine sums shares (see
+`mrl.algo.aggregation`). Reported pg_loss / entropy / kl_loss are shares too: summed over the step they give the
+step's values. Ratio metrics (clip fractions, ppo_kl) are this micro-batch's token means.
+"""
+
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from mrl.algo.aggregation import LossNormalizer, agg_loss
+from mrl.algo.kl import kl_penalty
+from mrl.algo.policy_loss import PolicyLossConfig, compute_policy_loss
+
+
+@dataclass(frozen=True)
+class ActorLossConfig:
+    """verl's `actor.*` loss knobs."""
+
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: float | None = None
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+
+
+def actor_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    normalizer: LossNormalizer | None,
+    config: ActorLossConfig,
+    *,
+    entropy: Tensor | None = None,
+    ref_log_prob: Tensor | None = None,
+    rollout_is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """This micro-batch's share of the actor loss (formula in the module docstring) and its metrics."""
+
+    def agg(loss_mat: Tensor) -> Tensor:
+        return agg_loss(loss_mat, response_mask, config.loss_agg_mode, normalizer, config.loss_scale_factor)
+
+    pg = compute_policy_loss(log_prob, old_log_prob, advantages, response_mask, config.policy_loss)
+    pg_mat = pg.loss_mat if rollout_is_weights is None else pg.loss_mat * rollout_is_weights.detach()
+    pg_loss = agg(pg_mat)
+    total = pg_loss
+    metrics = {f"actor/{k}": v for k, v in pg.metrics.items()}
+    metrics["actor/pg_loss"] = pg_loss.detach()
+    if entropy is not None:
+        entropy_share = agg(entropy)
+        metrics["actor/entropy"] = entropy_share.detach()
+        if config.entropy_coeff != 0.0:
+            total = total - config.entropy_coeff * entropy_share
+    if config.use_kl_loss:
+        if ref_log_prob is None:
+            raise ValueError("actor.use_kl_loss is set but the batch has no ref_log_prob (enable the reference model)")
+        # Padded positions may hold −inf log-probs; zeroing them first keeps nan out of the KL's gradient.
+        valid = response_mask.bool()
+        kl_mat = kl_penalty(log_prob.where(valid, 0.0), ref_log_prob.where(valid, 0.0), config.kl_loss_type)
+        kl_share = agg(kl_mat)
+        metrics["actor/kl_loss"] = kl_share.detach()
+        metrics["actor/kl_coef"] = kl_share.new_tensor(config.kl_loss_coef)
+        total = total + config.kl_loss_coef * kl_share
+    return total, metrics
