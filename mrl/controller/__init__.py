@@ -5,7 +5,7 @@ from mrl.controller.colocated import ColocatedWorker, create_colocated_worker_cl
 from mrl.controller.decorator import Dispatch, Execute, NDCompute, RegisterSpec, nd_compute, register
 from mrl.controller.future import GroupFuture
 from mrl.controller.mesh import DeviceMesh, DispatchLayout
-from mrl.controller.ray_worker_group import RayClassWithInitArgs, RayWorkerGroup
+from mrl.controller.ray_worker_group import RayClassWithInitArgs, RayWorkerGroup, WorkerGroupStartTimeout
 from mrl.controller.resource_pool import RayResourcePool, ResourcePoolUnschedulable
 from mrl.controller.worker import Worker
 from mrl.controller.worker_group import WorkerGroup
@@ -25,6 +25,7 @@ __all__ = [
     "ResourcePoolUnschedulable",
     "Worker",
     "WorkerGroup",
+    "WorkerGroupStartTimeout",
     "create_colocated_worker_cls",
     "nd_compute",
     "register",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterable
@@ -29,6 +30,10 @@ class RayClassWithInitArgs:
         return self
 
 
+class WorkerGroupStartTimeout(RuntimeError):
+    pass
+
+
 def _shareable(value: Any) -> bool:
     """Worth one ray.put when several ranks receive the same object (a chunk seen by all TP ranks of a DP
     group, a ONE_TO_ALL batch): small scalars and refs are not."""
@@ -42,33 +47,55 @@ class RayWorkerGroup(WorkerGroup):
         ray_cls_with_init: RayClassWithInitArgs,
         name_prefix: str | None = None,
         master_addr: str | None = DEFAULT_MASTER_ADDR,
+        start_timeout_s: float | None = None,
     ) -> None:
         """Create one actor per slot of resource_pool, named `{name_prefix}_{rank}`.
 
         Rank 0 starts first and chooses MASTER_PORT on master_addr; the other ranks start with that address and
         port in their environment. master_addr=None uses the IP of rank 0's node (needed across nodes).
+        Workers that cannot start within start_timeout_s (default: the pool's timeout) — typically because more
+        than max_colocate_count groups were put on the pool — are killed and WorkerGroupStartTimeout is raised;
+        an exception in a worker's constructor is raised here too.
         """
         super().__init__(resource_pool.world_size)
         self.name_prefix = name_prefix or f"{ray_cls_with_init.cls.__name__}_{uuid.uuid4().hex[:8]}"
         self._worker_cls = ray_cls_with_init.cls
-        self._workers = self._create_workers(resource_pool, ray_cls_with_init, master_addr)
+        timeout = resource_pool.timeout_s if start_timeout_s is None else start_timeout_s
+        self._workers = self._create_workers(resource_pool, ray_cls_with_init, master_addr, timeout)
         self._bind_worker_methods(self._worker_cls)
 
-    def _create_workers(self, pool: RayResourcePool, rc: RayClassWithInitArgs, master_addr: str) -> list[Any]:
+    def _create_workers(
+        self, pool: RayResourcePool, rc: RayClassWithInitArgs, master_addr: str | None, timeout: float
+    ) -> list[Any]:
         remote_cls = ray.remote(rc.cls)
         slots = pool.slots()
         rendezvous = {"MASTER_ADDR": master_addr or node_ip(*slots[0])}
-        workers = []
-        for rank, (pg, bundle) in enumerate(slots):
-            env = {"RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(bundle), **rendezvous}
-            options = {**placement_options(pool, pg, bundle), "name": f"{self.name_prefix}_{rank}", **rc.options}
-            runtime_env = dict(options.pop("runtime_env", None) or {})
-            runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **env}
-            worker = remote_cls.options(runtime_env=runtime_env, **options).remote(*rc.args, **rc.kwargs)
-            if rank == 0:
-                addr, port = ray.get(worker._mrl_master_addr_port.remote())
-                rendezvous = {"MASTER_ADDR": addr, "MASTER_PORT": str(port)}
-            workers.append(worker)
+        workers: list[Any] = []
+        deadline = time.monotonic() + timeout
+        try:
+            for rank, (pg, bundle) in enumerate(slots):
+                env = {"RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(bundle), **rendezvous}
+                options = {**placement_options(pool, pg, bundle), "name": f"{self.name_prefix}_{rank}", **rc.options}
+                runtime_env = dict(options.pop("runtime_env", None) or {})
+                runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **env}
+                workers.append(remote_cls.options(runtime_env=runtime_env, **options).remote(*rc.args, **rc.kwargs))
+                if rank == 0:
+                    addr, port = ray.get(workers[0]._mrl_master_addr_port.remote(), timeout=timeout)
+                    rendezvous = {"MASTER_ADDR": addr, "MASTER_PORT": str(port)}
+            started = [w.__ray_ready__.remote() for w in workers]
+            remaining = max(deadline - time.monotonic(), 0.0)
+            _, pending = ray.wait(started, num_returns=len(started), timeout=remaining)
+            if pending:
+                raise ray.exceptions.GetTimeoutError(f"{len(pending)} of {len(workers)} workers pending")
+            ray.get(started)
+        except ray.exceptions.GetTimeoutError as err:
+            for w in workers:
+                ray.kill(w)
+            raise WorkerGroupStartTimeout(
+                f"workers of group {self.name_prefix!r} did not start within {timeout:g} s ({err}): each asks "
+                f"{pool.worker_resources()} of a slot {pool.bundle} in pool {pool.name_prefix!r}, which admits "
+                f"max_colocate_count={pool.max_colocate_count} workers per slot"
+            ) from None
         return workers
 
     @classmethod

@@ -50,8 +50,14 @@ def split(x: Any, n: int) -> list[Any]:
         return parts
     k = length // n
     if _is_tensor(x):
-        return list(x.split(k)) if k else [x[:0]] * n
+        return [_compact(c) for c in x.split(k)] if k else [x[:0].clone()] * n
     return [x[i * k : (i + 1) * k] for i in range(n)]
+
+
+def _compact(t: Any) -> Any:
+    """A copy of t if it is a view into a larger storage: pickling a view (as Ray does to ship a chunk) writes
+    the whole storage, so every rank would receive the full batch."""
+    return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
 
 
 def concat(parts: list[Any]) -> Any:

@@ -18,6 +18,7 @@ from mrl.controller import (
     RayWorkerGroup,
     ResourcePoolUnschedulable,
     Worker,
+    WorkerGroupStartTimeout,
     create_colocated_worker_cls,
     nd_compute,
     register,
@@ -119,6 +120,18 @@ def test_second_group_shares_device_slots_through_fractional_gpus(shared_pool, c
         assert set(probe.master_addr()) <= node_ips and len(set(probe.master_addr())) == 1
     finally:
         probe.kill()
+
+
+def test_group_beyond_max_colocate_count_fails_instead_of_hanging(shared_pool, colocated):
+    extra = RayWorkerGroup(shared_pool, RayClassWithInitArgs(SlotProbe))  # fills the second half of each slot
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerGroupStartTimeout, match="max_colocate_count=2"):
+            RayWorkerGroup(shared_pool, RayClassWithInitArgs(SlotProbe), start_timeout_s=2)
+        assert time.monotonic() - start < 10
+        assert len(extra.gpu_ids()) == 2  # the groups already there keep working
+    finally:
+        extra.kill()
 
 
 def test_unschedulable_pool_fails_within_timeout_naming_missing_resources(ray_cluster):

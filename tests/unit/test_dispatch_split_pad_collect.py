@@ -3,6 +3,8 @@ and how a future from an earlier call is forwarded."""
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 from hypothesis import given
@@ -67,6 +69,12 @@ def test_pad_split_concat_unpad_round_trips(n, length):
         assert len(parts) == n and len({splitting.data_len(p) for p in parts}) == 1
         back = splitting.unpad(splitting.concat(parts), pad)
         assert (back == data) if isinstance(data, list) else torch.equal(back, data)
+
+
+def test_tensor_chunks_pickle_only_their_own_rows():
+    x = torch.zeros(4096, 64)
+    sizes = [len(pickle.dumps(c)) for c in splitting.split(x, 4)]
+    assert max(sizes) < x.nbytes / 4 + 4096  # a view would carry the whole 1 MiB storage
 
 
 def test_batch_like_objects_are_split_through_their_own_methods():
