@@ -13,8 +13,7 @@ from typing import Any, ClassVar
 
 from mrl.controller.decorator import SPEC_ATTR, RegisterSpec
 from mrl.controller.mesh import DeviceMesh
-from mrl.controller.ray_worker_group import RayClassWithInitArgs
-from mrl.controller.worker import Worker
+from mrl.controller.worker import RayClassWithInitArgs, Worker
 from mrl.controller.worker_group import registered_methods
 
 

@@ -82,6 +82,13 @@ class GroupFuture:
             self._done = True
         return self._value
 
+    def __reduce__(self) -> Any:
+        # Reached when a future is nested inside another argument (a list, a dict): only top-level arguments of a
+        # group call are resolved, and pickling would drag the whole group along.
+        raise TypeError(
+            "a GroupFuture can only be passed as a top-level argument of a group call; call .get() to use its value"
+        )
+
     def __repr__(self) -> str:
         state = "done" if self._done else "pending"
         return f"GroupFuture({len(self.handles)} ranks, collect={self.collect.how}, {state})"

@@ -12,22 +12,8 @@ import ray
 
 from mrl.controller.future import Gather
 from mrl.controller.resource_pool import RayResourcePool, node_ip, placement_options
-from mrl.controller.worker import DEFAULT_MASTER_ADDR
+from mrl.controller.worker import DEFAULT_MASTER_ADDR, RayClassWithInitArgs
 from mrl.controller.worker_group import WorkerGroup
-
-
-class RayClassWithInitArgs:
-    """A worker class with its constructor arguments and extra Ray actor options (e.g. runtime_env)."""
-
-    def __init__(self, cls: type, *args: Any, **kwargs: Any) -> None:
-        self.cls = cls
-        self.args = args
-        self.kwargs = kwargs
-        self.options: dict[str, Any] = {}
-
-    def update_options(self, **options: Any) -> RayClassWithInitArgs:
-        self.options.update(options)
-        return self
 
 
 class WorkerGroupStartTimeout(RuntimeError):

@@ -100,3 +100,19 @@ class Worker:
         kwargs = {k: v.resolve() if isinstance(v, Gather) else v for k, v in kwargs.items()}
         result = getattr(self, _mrl_method_name)(*args, **kwargs)
         return result if _mrl_keep_result else None
+
+
+class RayClassWithInitArgs:
+    """A worker class with its constructor arguments and extra Ray actor options (e.g. runtime_env).
+
+    Plain data (no Ray import), so worker code can build one on machines without Ray."""
+
+    def __init__(self, cls: type, *args: Any, **kwargs: Any) -> None:
+        self.cls = cls
+        self.args = args
+        self.kwargs = kwargs
+        self.options: dict[str, Any] = {}
+
+    def update_options(self, **options: Any) -> RayClassWithInitArgs:
+        self.options.update(options)
+        return self

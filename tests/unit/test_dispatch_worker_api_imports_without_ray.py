@@ -1,0 +1,56 @@
+"""The worker-side controller API works where Ray is not installed (the GPU machine runs workers with torchrun):
+a Worker reads its rank and rendezvous from the torchrun environment, registers meshes, and its tagged methods
+run unchanged; only the Ray group classes need Ray."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from mrl.controller.future import CollectPlan, GroupFuture
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.modules["ray"] = None  # any `import ray` now raises ImportError
+    import mrl.controller as c
+
+    class Probe(c.Worker):
+        @c.register(c.nd_compute("train"))
+        def twice(self, x):
+            return [2 * v for v in x]
+
+    w = Probe()
+    mesh = w.register_mesh("train", {"pp": 2, "dp": 2})
+    assert (w.rank, w.world_size, w.master_addr_port) == (3, 4, ("10.0.0.7", 29511)), (w.rank, w.master_addr_port)
+    assert mesh.coord == {"pp": 1, "dp": 1} and mesh.is_collect and w.twice([1, 2]) == [2, 4]
+    try:
+        c.RayWorkerGroup
+    except ImportError:
+        print("OK")
+    """
+)
+
+
+def test_worker_api_runs_without_ray_from_torchrun_environment():
+    env = {**os.environ, "RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29511"}
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "OK"
+
+
+def test_non_master_rank_without_rendezvous_fails_clearly():
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    code = "import mrl.controller as c; c.Worker()"
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "RANK": "1"}, capture_output=True, text=True)
+    assert out.returncode != 0 and "rank 1: MASTER_ADDR is not set" in out.stderr
+
+
+def test_nested_future_is_refused_instead_of_pickling_the_group():
+    import pickle
+
+    fut = GroupFuture([1], CollectPlan((0,), "single"), list)
+    with pytest.raises(TypeError, match="top-level argument"):
+        pickle.dumps([fut])
