@@ -1,0 +1,76 @@
+"""Global request load balancer: least in-flight requests, sticky by high-level request id, elastic server set.
+
+One instance runs as a Ray actor (`ray.remote(LoadBalancer)`, created by LLMServerManager) so that every client,
+in every agent-loop process, sees the same in-flight counts. It is plain Python so its rules are unit-tested
+without Ray.
+
+Rules, in order:
+1. A request id seen before goes back to the server it went to (multi-turn sessions reuse that server's prefix
+   cache), as long as that server is still registered.
+2. Otherwise the server with the fewest in-flight requests wins; ties go to the server registered first.
+3. Removing a server drops its sticky sessions, so their next turn is routed by rule 2.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+
+class LoadBalancer:
+    def __init__(self, servers: dict[str, Any] | None = None, max_sessions: int = 1 << 20) -> None:
+        self._servers: dict[str, Any] = {}
+        self._in_flight: dict[str, int] = {}
+        # Most recently used last; the oldest sessions are forgotten beyond max_sessions to bound memory.
+        self._sticky: OrderedDict[str, str] = OrderedDict()
+        self._max_sessions = max_sessions
+        for server_id, handle in (servers or {}).items():
+            self.add_server(server_id, handle)
+
+    def add_server(self, server_id: str, handle: Any = None) -> None:
+        if server_id in self._servers:
+            raise ValueError(f"server {server_id!r} is already registered")
+        self._servers[server_id] = handle
+        self._in_flight[server_id] = 0
+
+    def remove_server(self, server_id: str) -> list[str]:
+        """Unregister a server; returns the sessions that were stuck to it (they will be re-routed)."""
+        if server_id not in self._servers:
+            return []
+        del self._servers[server_id]
+        del self._in_flight[server_id]
+        orphans = [rid for rid, sid in self._sticky.items() if sid == server_id]
+        for rid in orphans:
+            del self._sticky[rid]
+        return orphans
+
+    def acquire(self, request_id: str) -> tuple[str, Any]:
+        """Pick the server for one call of `request_id` and count it in flight until `release`."""
+        if not self._servers:
+            raise RuntimeError("no rollout server is registered with the load balancer")
+        server_id = self._sticky.get(request_id)
+        if server_id is None:
+            server_id = min(self._in_flight, key=self._in_flight.__getitem__)
+        self._sticky[request_id] = server_id
+        self._sticky.move_to_end(request_id)
+        while len(self._sticky) > self._max_sessions:
+            self._sticky.popitem(last=False)
+        self._in_flight[server_id] += 1
+        return server_id, self._servers[server_id]
+
+    def release(self, server_id: str) -> None:
+        if server_id in self._in_flight:  # the server may have been removed while the request ran
+            self._in_flight[server_id] -= 1
+
+    def forget(self, request_id: str) -> None:
+        """End a session: its next call (if any) is routed as new."""
+        self._sticky.pop(request_id, None)
+
+    def in_flight(self) -> dict[str, int]:
+        return dict(self._in_flight)
+
+    def session_server(self, request_id: str) -> str | None:
+        return self._sticky.get(request_id)
+
+    def servers(self) -> list[str]:
+        return list(self._servers)

@@ -1,0 +1,201 @@
+"""`RolloutReplica`: one inference instance (one `vllm serve`-equivalent) = one RolloutServer actor on TP×DP×PP devices.
+
+Replica modes (DESIGN.md glossary), which differ in where the server runs and who may put it to sleep:
+- hybrid: on the trainer's own device slots (the trainer's resource pool, replica r on the slots of trainer ranks
+  r·F … r·F+F−1, F = footprint); phases alternate, so the trainer sleeps and wakes it (sync / colocate_async).
+- colocated: own process on the slots of a shared pool (e.g. a judge model beside the policy); never slept by the
+  trainer.
+- standalone: its own resource pool (own devices), created here; weights arrive over a cross-pool transport.
+On a CPU machine a device slot is a CPU bundle (or a logical GPU), so every mode runs in CI.
+
+Every control method returns a Ray ObjectRef: `ray.get` it from a driver, `await` it from a coroutine, or fan
+out over replicas and wait once (LLMServerManager does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from mrl.rollout.server import SERVER_ENV, RolloutServer
+from rollout_adapters.base import adapter_class
+
+
+class RolloutMode(enum.StrEnum):
+    HYBRID = "hybrid"
+    COLOCATED = "colocated"
+    STANDALONE = "standalone"
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Devices of one replica: tensor × data × pipeline parallel."""
+
+    tp: int = 1
+    dp: int = 1
+    pp: int = 1
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    def check(self, backend: str) -> None:
+        """Reject layouts the backend cannot run, naming the setting."""
+        for name, size in (("tensor", self.tp), ("data", self.dp), ("pipeline", self.pp)):
+            if size < 1:
+                raise ValueError(f"rollout.{name}_model_parallel_size must be >= 1, got {size}")
+        cls = adapter_class(backend)
+        if self.pp > 1 and not cls.supports_pipeline_parallel:
+            raise ValueError(
+                f"rollout.pipeline_model_parallel_size={self.pp}: the {backend!r} rollout backend does not support "
+                "pipeline parallelism; set it to 1 (use tensor parallelism or more replicas instead)"
+            )
+        if (self.tp > 1 or self.dp > 1) and not cls.supports_tensor_parallel:
+            raise ValueError(
+                f"rollout tensor/data parallel size {self.tp}/{self.dp}: the {backend!r} backend runs one device per "
+                "replica; set both to 1 and scale with more replicas"
+            )
+
+
+@dataclass
+class ReplicaSpec:
+    """What one engine needs: backend, weights, layout, context length and backend-specific extras."""
+
+    backend: str
+    model_path: str
+    footprint: Footprint = field(default_factory=Footprint)
+    max_model_len: int = 2048
+    dtype: str = "float32"
+    seed: int = 0
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def adapter_kwargs(self) -> dict[str, Any]:
+        engine_kwargs = dict(self.engine_kwargs)
+        if self.footprint.dp > 1:
+            engine_kwargs.setdefault("data_parallel_size", self.footprint.dp)
+        if self.footprint.devices > 1:
+            # Multi-device engines start their workers as Ray tasks inside the replica's placement group.
+            engine_kwargs.setdefault("distributed_executor_backend", "ray")
+        return {
+            "max_model_len": self.max_model_len,
+            "dtype": self.dtype,
+            "seed": self.seed,
+            "tensor_parallel_size": self.footprint.tp,
+            "pipeline_parallel_size": self.footprint.pp,
+            "engine_kwargs": engine_kwargs,
+        }
+
+
+class RolloutReplica:
+    def __init__(self, replica_rank: int, spec: ReplicaSpec, mode: RolloutMode | str) -> None:
+        spec.footprint.check(spec.backend)
+        self.replica_rank = replica_rank
+        self.spec = spec
+        self.mode = RolloutMode(mode)
+        self.server_id = f"{self.mode.value}-{replica_rank}-{uuid.uuid4().hex[:6]}"
+        self.server: Any = None
+        self._own_pool: Any = None
+
+    # ---- placement ----------------------------------------------------------------------------------
+    def init_hybrid(self, trainer_pool: Any) -> ray.ObjectRef:
+        """Place the server on the trainer's slots (the pool the trainer's worker group was built on)."""
+        self._require(RolloutMode.HYBRID)
+        return self._launch(trainer_pool)
+
+    def init_colocated(self, pool: Any) -> ray.ObjectRef:
+        self._require(RolloutMode.COLOCATED)
+        return self._launch(pool)
+
+    def init_standalone(self, use_gpu: bool | None = None, cpus_per_slot: float = 1.0) -> ray.ObjectRef:
+        """Create this replica's own resource pool (one node, `footprint.devices` slots) and start there."""
+        from mrl.controller.resource_pool import RayResourcePool
+
+        self._require(RolloutMode.STANDALONE)
+        if use_gpu is None:
+            use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        self._own_pool = RayResourcePool(
+            [self.spec.footprint.devices], use_gpu=use_gpu, cpus_per_slot=cpus_per_slot, name_prefix=self.server_id
+        )
+        return self._launch(self._own_pool, first_slot=0)
+
+    def _require(self, mode: RolloutMode) -> None:
+        if self.mode is not mode:
+            raise ValueError(f"replica {self.replica_rank} is {self.mode.value}, not {mode.value}")
+
+    def _launch(self, pool: Any, first_slot: int | None = None) -> ray.ObjectRef:
+        """Start the server on the first of this replica's slots; returns a ref to the engine start time (s)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        footprint = self.spec.footprint.devices
+        slots: Sequence = pool.slots()
+        first = self.replica_rank * footprint if first_slot is None else first_slot
+        if first + footprint > len(slots):
+            raise ValueError(
+                f"rollout replica {self.replica_rank} needs slots {first}..{first + footprint - 1} but the pool has "
+                f"{len(slots)}: replicas = device slots / (TP×DP×PP = {footprint})"
+            )
+        pg, bundle = slots[first]
+        resources = pool.worker_resources()
+        self.server = (
+            ray.remote(RolloutServer)
+            .options(
+                name=f"mrl_rollout_{self.server_id}",
+                num_cpus=resources["num_cpus"],
+                num_gpus=resources["num_gpus"],
+                max_concurrency=4096,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=bundle, placement_group_capture_child_tasks=True
+                ),
+                runtime_env={"env_vars": dict(SERVER_ENV)},
+            )
+            .remote(self.spec.backend, self.spec.model_path, self.spec.adapter_kwargs())
+        )
+        return self.server.start.remote()
+
+    # ---- control (each returns an ObjectRef) ---------------------------------------------------------
+    def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any]) -> ray.ObjectRef:
+        return self.server.generate.remote(request_id, prompt_ids, sampling_params)
+
+    def update_weights(self, bucket_refs: list[ray.ObjectRef], version: int) -> ray.ObjectRef:
+        return self.server.update_weights.remote(bucket_refs, version)
+
+    def abort_all(self) -> ray.ObjectRef:
+        return self.server.abort_all.remote()
+
+    def resume_generation(self) -> ray.ObjectRef:
+        return self.server.resume_generation.remote()
+
+    def sleep(self, level: int = 2) -> ray.ObjectRef:
+        return self.server.sleep.remote(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> ray.ObjectRef:
+        return self.server.wake_up.remote(tags)
+
+    def release_kv_cache(self) -> ray.ObjectRef:
+        return self.server.release_kv_cache.remote()
+
+    def resume_kv_cache(self) -> ray.ObjectRef:
+        return self.server.resume_kv_cache.remote()
+
+    def clear_kv_cache(self) -> ray.ObjectRef:
+        return self.server.clear_kv_cache.remote()
+
+    def health(self) -> ray.ObjectRef:
+        return self.server.health.remote()
+
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Stop the engine (and its child processes) before killing the actor, then free an own pool."""
+        if self.server is not None:
+            with contextlib.suppress(Exception):  # a dead or stuck server is killed below either way
+                ray.get(self.server.shutdown.remote(), timeout=timeout_s)
+            ray.kill(self.server)
+            self.server = None
+        if self._own_pool is not None:
+            self._own_pool.remove()
+            self._own_pool = None

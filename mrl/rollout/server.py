@@ -1,0 +1,90 @@
+"""`RolloutServer`: one replica's inference engine in its own process, as a Ray async actor.
+
+The actor hosts a backend adapter (rollout_adapters/) and exposes the adapter protocol over Ray RPC; with one
+event loop per actor, many concurrent `generate` calls share the engine. The same class serves every backend:
+the adapter is chosen by name, so the vLLM server is `RolloutServer("vllm", ...)`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import ray
+
+from rollout_adapters.base import RolloutAdapter, TokenOutput, adapter_class
+
+# Set in the server process before the engine starts. KV cache in GiB on CPU: vLLM's default would take a
+# large share of a small shared machine. Loopback keeps vLLM's ZMQ sockets off the network.
+SERVER_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+class RolloutServer:
+    def __init__(self, backend: str, model_path: str, adapter_kwargs: dict[str, Any] | None = None) -> None:
+        for key, value in SERVER_ENV.items():
+            os.environ.setdefault(key, value)
+        self.backend = backend
+        self.model_path = model_path
+        self.adapter_kwargs = dict(adapter_kwargs or {})
+        self.adapter: RolloutAdapter | None = None
+
+    async def start(self) -> float:
+        """Create the engine; returns seconds taken (vLLM on 2 CPU cores: 30-75 s)."""
+        start = time.monotonic()
+        self.adapter = adapter_class(self.backend)(self.model_path, **self.adapter_kwargs)
+        await self.adapter.start()
+        return time.monotonic() - start
+
+    async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any]) -> TokenOutput:
+        out = await self.adapter.generate(request_id, prompt_ids, sampling_params)
+        out.extra["server_pid"] = os.getpid()  # which replica served it: routing is observable end to end
+        return out
+
+    async def update_weights(self, bucket_refs: list[ray.ObjectRef], version: int) -> int:
+        """Load weights from safetensors buckets in the object store, fetched one at a time (so the server holds
+        one bucket, not the model), with the adapter's abort -> load -> reset-prefix-cache -> version sequence."""
+
+        async def buckets():
+            for ref in bucket_refs:
+                yield await ref
+
+        return await self.adapter.update_weights_from_buckets(buckets(), version)
+
+    async def abort_all(self) -> int:
+        return await self.adapter.abort_all()
+
+    async def resume_generation(self) -> None:
+        await self.adapter.resume_generation()
+
+    async def sleep(self, level: int = 2) -> None:
+        await self.adapter.sleep(level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> list[str]:
+        return await self.adapter.wake_up(tags)
+
+    async def release_kv_cache(self) -> None:
+        await self.adapter.release_kv_cache()
+
+    async def resume_kv_cache(self) -> None:
+        await self.adapter.resume_kv_cache()
+
+    async def clear_kv_cache(self) -> None:
+        await self.adapter.clear_kv_cache()
+
+    async def health(self) -> dict[str, Any]:
+        context = ray.get_runtime_context()
+        return {**await self.adapter.health(), "pid": os.getpid(), "placement_group": context.get_placement_group_id()}
+
+    async def events(self) -> list[str]:
+        return list(self.adapter.events)
+
+    async def shutdown(self) -> None:
+        if self.adapter is not None:
+            await self.adapter.shutdown()
+            self.adapter = None

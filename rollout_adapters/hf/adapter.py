@@ -1,0 +1,128 @@
+"""The `hf` backend: the adapter protocol on a plain transformers model, dependency-light (laptops, quick tests).
+
+Each request runs its own decode loop with a KV cache; all model work (forwards and weight loads) goes through
+one worker thread, so a weight load can never interleave with a forward and requests interleave token by token.
+transformers' continuous batching (`generate_batch`) was measured to return per-token log-probs too, but it is a
+batch call: it cannot abort one request mid-way, take a weight update between tokens or seed each request, which
+the protocol needs. Sleep levels are tracked (and the wake-up order enforced) but free no memory here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from rollout_adapters.base import RolloutAdapter, StopReason
+from rollout_adapters.buckets import unpack_bucket
+
+
+def sample_token(logits: torch.Tensor, params: dict[str, Any], generator: torch.Generator) -> tuple[int, float]:
+    """Pick the next token from fp32 `logits` [V]; return it with its raw log-prob log_softmax(logits)[token].
+
+    Temperature 0 is greedy. Otherwise logits / T, keep the top_k largest (top_k > 0), keep the smallest set whose
+    probability mass reaches top_p (the most likely token always stays), sample. The returned log-prob is of the
+    unmodified distribution, as vLLM reports by default, so both backends agree with a trainer's forward pass.
+    """
+    raw = torch.log_softmax(logits, dim=-1)
+    if params["temperature"] == 0:
+        token = int(torch.argmax(logits))
+        return token, float(raw[token])
+    scaled = logits / params["temperature"]
+    if params["top_k"] > 0 and params["top_k"] < scaled.numel():
+        kth = torch.topk(scaled, params["top_k"]).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if params["top_p"] < 1.0:
+        probs_sorted, order = torch.sort(torch.softmax(scaled, dim=-1), descending=True)
+        mass_before = torch.cumsum(probs_sorted, dim=-1) - probs_sorted
+        drop = order[mass_before >= params["top_p"]]
+        scaled[drop] = float("-inf")
+    token = int(torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator))
+    return token, float(raw[token])
+
+
+class HFAdapter(RolloutAdapter):
+    backend = "hf"
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        max_model_len: int = 2048,
+        dtype: str = "float32",
+        num_threads: int | None = 1,
+        tensor_parallel_size: int = 1,
+        **unused: Any,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if tensor_parallel_size != 1:
+            raise ValueError(f"rollout.tensor_model_parallel_size={tensor_parallel_size}: the hf backend runs TP=1")
+        super().__init__(max_model_len)
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.model.config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-rollout")
+        self._abort_epoch = 0
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    @torch.no_grad()
+    def _forward(self, new_ids: list[int], cache) -> torch.Tensor:
+        out = self.model(input_ids=torch.tensor([new_ids]), past_key_values=cache, use_cache=True)
+        return out.logits[0, -1].float()
+
+    async def _generate(
+        self, request_id: str, prompt_ids: list[int], params: dict[str, Any], budget: int
+    ) -> tuple[list[int], list[float], StopReason]:
+        from transformers import DynamicCache
+
+        epoch = self._abort_epoch
+        generator = torch.Generator()
+        generator.manual_seed(params["seed"] if params["seed"] is not None else int(torch.randint(2**62, ())))
+        stops = set(params["stop_token_ids"]) | (set() if params["ignore_eos"] else self.eos_ids)
+        cache = DynamicCache(config=self.model.config)
+        ids: list[int] = []
+        lps: list[float] = []
+        feed = prompt_ids
+        while len(ids) < budget:
+            if self._abort_epoch != epoch:
+                return ids, lps, "aborted"
+            logits = await self._run(self._forward, feed, cache)
+            if self._abort_epoch != epoch:
+                return ids, lps, "aborted"
+            token, logp = sample_token(logits, params, generator)
+            ids.append(token)
+            lps.append(logp)
+            if token in stops:
+                return ids, lps, "stop"
+            feed = [token]
+        return ids, lps, "length"
+
+    async def _abort_running(self) -> None:
+        self._abort_epoch += 1
+
+    async def _load_weights(self, buckets: AsyncIterator[bytes]) -> int:
+        count = 0
+        async for blob in buckets:
+            count += await self._run(self._load_bucket, blob)
+        return count
+
+    @torch.no_grad()
+    def _load_bucket(self, blob: bytes) -> int:
+        named = dict(unpack_bucket(blob))
+        result = self.model.load_state_dict(named, strict=False, assign=False)
+        if result.unexpected_keys:
+            raise KeyError(f"weights not in the model: {sorted(result.unexpected_keys)[:8]}")
+        return len(named)
+
+    async def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

