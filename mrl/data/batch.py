@@ -360,7 +360,8 @@ class Batch:
         pad_count = -n % divisor
         if pad_count == 0:
             return self, 0
-        return self[torch.cat([torch.arange(n), torch.arange(pad_count) % n])], pad_count
+        # Concatenation copies the bulk with memcpy; only the few padding rows need a gather.
+        return Batch.concat([self, self[torch.arange(pad_count) % n]]), pad_count
 
     def unpad(self, pad_count: int) -> Batch:
         """Drop the last `pad_count` samples (the rows `pad_to_divisible` added, after a collect)."""
