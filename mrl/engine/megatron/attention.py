@@ -112,16 +112,16 @@ class SdpaAttention(MegatronModule):
         return out
 
 
-def local_layer_spec(config: TransformerConfig, *, qk_layernorm: bool = False):
-    """Megatron's local GPT layer spec (dense or MoE from `config.num_moe_experts`) with `SdpaAttention` as the
-    core attention, for machines without TransformerEngine."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def sdpa_layer_spec(config: TransformerConfig, *, vp_stage: int | None = None):
+    """The local (non-TE) decoder block spec of this stage (mrl.engine.megatron.model.layer_spec) with
+    `SdpaAttention` wherever Megatron's `DotProductAttention` was; MLA layers keep their own core attention."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    spec = get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts,
-        moe_grouped_gemm=False,
-        qk_layernorm=qk_layernorm,
-        normalization=config.normalization,
-    )
-    spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+    from mrl.engine.megatron.model import layer_spec
+
+    spec = layer_spec(config, use_te=False, vp_stage=vp_stage)
+    for layer in spec.layer_specs:
+        attention = layer.submodules.self_attention.submodules
+        if attention.core_attention is DotProductAttention:
+            attention.core_attention = SdpaAttention
     return spec

@@ -159,13 +159,24 @@ def _padded_index(lengths: Sequence[int], device: torch.device | None = None) ->
     return torch.where(t[None, :] < lens[:, None], index, torch.full_like(index, -1))
 
 
-def pack(batch: JaggedBatch, index: Sequence[int], pad_to_multiple: int = 1, pad_token_id: int = 0) -> PackedMicroBatch:
+def pack(
+    batch: JaggedBatch,
+    index: Sequence[int],
+    pad_to_multiple: int = 1,
+    pad_token_id: int = 0,
+    length: int | None = None,
+) -> PackedMicroBatch:
     """Pack samples `index` of `batch` into one row; pad the row to a multiple of `pad_to_multiple` (sequence
-    parallelism splits the row over TP ranks) with one extra segment of `pad_token_id`."""
+    parallelism splits the row over TP ranks), or to exactly `length` (pipeline stages exchange fixed-shape
+    activations), with one extra segment of `pad_token_id`."""
     sub = batch.select(index)
     lengths = sub.lengths.tolist()
     total = int(sum(lengths))
     padded = -(-total // pad_to_multiple) * pad_to_multiple
+    if length is not None:
+        if length < padded or length % pad_to_multiple:
+            raise ValueError(f"cannot pad {total} tokens to length {length} (multiple of {pad_to_multiple})")
+        padded = length
     ids = sub.token_fields["input_ids"]
     segments = list(lengths)
     if padded > total:

@@ -1,0 +1,399 @@
+"""MegatronEngine: BaseEngine on megatron-core (TP × PP(+VPP) × DP × EP/ETP, sequence parallel, distributed optimizer).
+
+One step (`forward_backward` then `optimizer_step`) runs this DP rank's samples as packed THD micro-batches
+(mrl/engine/megatron/packing.py) through Megatron's pipeline schedule (`get_forward_backward_func`), with the
+output layer replaced by the chunked vocab-parallel log-prob computation (logprob.py) via GPTModel's
+`output_processor` hook, so full-vocabulary logits never exist.
+
+Loss scaling. The caller's loss_fn returns s_m, micro-batch m's share of the step loss under step-global
+denominators (mrl/algo/aggregation.py), so the step loss is L = Σ_{DP ranks} Σ_m s_m. Megatron's schedule
+backpropagates s_m · cp / M (M = this rank's number of micro-batches) and DDP averages gradients over the
+dp·cp ranks; the engine hands the schedule s_m · M · dp, so the reduced gradient is exactly ∇L. Only the last
+pipeline stage computes s_m; earlier stages receive its gradient through the schedule.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from mrl.algo.aggregation import LossNormalizer, loss_counts
+from mrl.config.schema import MegatronConfig, OptimConfig
+from mrl.engine.base import BaseEngine, LossFn
+from mrl.engine.megatron import logprob
+from mrl.engine.megatron.packing import (
+    JaggedBatch,
+    PackedMicroBatch,
+    next_token_labels,
+    pack,
+    scatter_to_batch,
+    shift_to_tokens,
+    split_by_count,
+    split_by_tokens,
+)
+from mrl.engine.megatron.parallel import ParallelLayout
+
+
+class MegatronEngine(BaseEngine):
+    """Actor/reference engine over an HF model folder; see the module docstring for the step and its scaling.
+
+    Micro-batches: `max_tokens_per_micro_batch` (dynamic batch size, verl's ppo_max_token_len_per_gpu) packs
+    samples under a token budget; otherwise `micro_batch_size` samples per micro-batch. `optim=None` makes a
+    forward-only engine (reference policy) without optimizer state.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        megatron: MegatronConfig,
+        optim: OptimConfig | None = None,
+        *,
+        micro_batch_size: int | None = 1,
+        max_tokens_per_micro_batch: int | None = None,
+        total_steps: int = 1,
+        seed: int = 1234,
+        logprob_chunk_tokens: int = logprob.DEFAULT_CHUNK_TOKENS,
+        bridge_backend: str = "mrl",
+    ) -> None:
+        if micro_batch_size is None and max_tokens_per_micro_batch is None:
+            raise ValueError("set micro_batch_size or max_tokens_per_micro_batch")
+        self.model_path = model_path
+        self.cfg = megatron
+        self.optim_cfg = optim
+        self.micro_batch_size = micro_batch_size
+        self.max_tokens = max_tokens_per_micro_batch
+        self.total_steps = total_steps
+        self.seed = seed
+        self.chunk_tokens = logprob_chunk_tokens
+        self.bridge_backend = bridge_backend
+        self.layout = ParallelLayout(
+            tp=megatron.tensor_model_parallel_size,
+            pp=megatron.pipeline_model_parallel_size,
+            vpp=megatron.virtual_pipeline_model_parallel_size,
+            ep=megatron.expert_model_parallel_size,
+            etp=megatron.expert_tensor_parallel_size,
+            cp=megatron.context_parallel_size,
+        )
+        self.model: list[Any] = []
+        self.optimizer: Any = None
+        self.scheduler: Any = None
+
+    # ---- construction ---------------------------------------------------------------------------------------
+    def initialize(self) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from transformers import AutoConfig
+
+        from bridges.registry import bridge_for
+        from mrl.engine.megatron.model import runtime_config
+        from mrl.engine.megatron.parallel import init_distributed, initialize_model_parallel
+
+        init_distributed()
+        initialize_model_parallel(self.layout, seed=self.seed)
+        self.bridge = bridge_for(AutoConfig.from_pretrained(self.model_path), backend=self.bridge_backend)
+        dtype = getattr(torch, self.cfg.params_dtype)
+        fields = runtime_config(
+            self.layout,
+            params_dtype=dtype,
+            sequence_parallel=self.cfg.sequence_parallel,
+            **self._recompute_fields(),
+            **self.cfg.override_transformer_config,
+        )
+        self.tf_config = self.bridge.transformer_config(**fields)
+        chunks = build_chunks(self.tf_config, self.bridge.model_kwargs())
+        self.bridge.load_hf(chunks, self.model_path)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=self.cfg.use_distributed_optimizer and self.optim_cfg is not None,
+        )
+        self.model = [
+            DistributedDataParallel(self.tf_config, ddp_config, chunk, disable_bucketing=i > 0)
+            for i, chunk in enumerate(chunks)
+        ]
+        if self.optim_cfg is not None:
+            self._build_optimizer(dtype)
+
+    def _recompute_fields(self) -> dict[str, Any]:
+        if not self.cfg.recompute_granularity:
+            return {}
+        if self.cfg.recompute_granularity == "full":
+            return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+        return {"recompute_granularity": self.cfg.recompute_granularity}
+
+    def _build_optimizer(self, dtype: torch.dtype) -> None:
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        o = self.optim_cfg
+        assert o is not None
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=o.lr,
+                min_lr=o.min_lr,
+                weight_decay=o.weight_decay,
+                adam_beta1=o.betas[0],
+                adam_beta2=o.betas[1],
+                adam_eps=1e-8,
+                clip_grad=o.clip_grad,
+                bf16=dtype == torch.bfloat16,
+                fp16=dtype == torch.float16,
+                params_dtype=dtype,
+                use_distributed_optimizer=self.cfg.use_distributed_optimizer,
+            ),
+            self.model,
+        )
+        steps = max(self.total_steps, 1)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if o.lr_warmup_steps > 0 else o.lr,
+            max_lr=o.lr,
+            min_lr=o.min_lr,
+            lr_warmup_steps=o.lr_warmup_steps,
+            lr_decay_steps=steps,
+            lr_decay_style=o.lr_decay_style,
+            start_wd=o.weight_decay,
+            end_wd=o.weight_decay,
+            wd_incr_steps=steps,
+            wd_incr_style="constant",
+        )
+        # What Megatron's training loop wires into the config: the schedule calls these after the last
+        # micro-batch (DP reduction, embedding/SP/expert grad all-reduces) and to scale losses for fp16.
+        self.tf_config.finalize_model_grads_func = finalize_model_grads
+        self.tf_config.grad_scale_func = self.optimizer.scale_loss
+        self._zero_grads()
+
+    # ---- micro-batches --------------------------------------------------------------------------------------
+    def micro_batches(self, batch: JaggedBatch) -> list[PackedMicroBatch]:
+        """This rank's packed micro-batches (identical on the TP/PP ranks of one DP group)."""
+        pp, vpp = self.layout.pp, self.layout.vpp
+        lengths = batch.lengths.tolist()
+        min_mb = pp if pp > 1 else 1
+        if self.max_tokens is not None:
+            groups = split_by_tokens(lengths, self.max_tokens, min_micro_batches=min(min_mb, len(lengths)))
+            if vpp and vpp > 1 and len(groups) % pp:
+                # The interleaved schedule runs micro-batches in groups of PP; round the count up.
+                groups = split_by_tokens(lengths, self.max_tokens, min_micro_batches=-(-len(groups) // pp) * pp)
+        else:
+            assert self.micro_batch_size is not None
+            groups = split_by_count(lengths, self.micro_batch_size)
+        multiple = self.layout.tp if self.tf_config.sequence_parallel else 1
+        mbs = [pack(batch, g, pad_to_multiple=multiple) for g in groups]
+        if pp > 1:
+            # Stages exchange activations of one fixed shape per step: pad every row to the longest.
+            length = max(mb.input_ids.shape[1] for mb in mbs)
+            mbs = [pack(batch, g, pad_to_multiple=multiple, length=length) for g in groups]
+        return mbs
+
+    def _normalizer(self, mbs: list[PackedMicroBatch]) -> LossNormalizer:
+        from megatron.core import parallel_state
+
+        counts = torch.zeros(2, dtype=torch.float64)
+        for mb in mbs:
+            mask = mb.fields.get("response_mask", mb.token_mask)
+            counts += loss_counts(mask)
+        dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+        return LossNormalizer.from_counts(counts)
+
+    # ---- the schedule ---------------------------------------------------------------------------------------
+    def _run_schedule(self, mbs: list[PackedMicroBatch], loss_func: Any, forward_only: bool) -> list[Any]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        device = _device()
+        mbs = [mb.to(device) for mb in mbs]
+
+        def forward_step(data_iterator: Iterator[PackedMicroBatch], model: Any) -> tuple[Any, Any]:
+            mb = next(data_iterator)
+            output = model(
+                mb.input_ids,
+                mb.position_ids,
+                None,
+                packed_seq_params=mb.packed_seq_params(),
+                output_processor=self._output_processor(),
+                output_processor_context={"labels": next_token_labels(mb.input_ids), "chunk_tokens": self.chunk_tokens},
+            )
+            return output, partial(loss_func, mb)
+
+        iterators = [iter(mbs) for _ in self.model]
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(iterators) > 1 else iterators[0],
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=len(mbs),
+            seq_length=mbs[0].input_ids.shape[1],
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+
+    def _output_processor(self) -> Any:
+        return logprob.output_processor
+
+    def _token_outputs(self, mb: PackedMicroBatch, output: Any) -> dict[str, Tensor]:
+        """Model outputs of one micro-batch as padded [n, max_len] tensors, token-aligned (see packing.py)."""
+        logp, ent = output
+        return {
+            "log_probs": mb.unpack(shift_to_tokens(logp[0], mb.cu_seqlens)),
+            "entropy": mb.unpack(shift_to_tokens(ent[0], mb.cu_seqlens)),
+        }
+
+    def forward_backward(self, batch: JaggedBatch, loss_fn: LossFn) -> dict[str, float]:
+        from megatron.core import parallel_state
+
+        for chunk in self.model:
+            chunk.train()
+        mbs = self.micro_batches(batch)
+        normalizer = self._normalizer(mbs)
+        scale = len(mbs) * parallel_state.get_data_parallel_world_size()
+
+        def loss_func(mb: PackedMicroBatch, output: Any) -> tuple[Tensor, dict[str, Tensor]]:
+            loss, metrics = loss_fn(self._token_outputs(mb, output), mb.fields, normalizer)
+            reported = {k: v.detach().float() for k, v in metrics.items()}
+            return loss * scale, {"loss": loss.detach().float(), **reported}
+
+        stats = self._run_schedule(mbs, loss_func, forward_only=False)
+        return self._reduce_metrics(stats, len(mbs))
+
+    def _reduce_metrics(self, stats: list[dict[str, Tensor]], num_mbs: int) -> dict[str, float]:
+        """loss: Σ over micro-batches and DP ranks; other metrics: mean over micro-batches, then over DP ranks."""
+        from megatron.core import parallel_state
+
+        keys: list[str] = sorted(stats[0]) if stats else []
+        keys_box = [keys]
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        last = parallel_state.get_pipeline_model_parallel_last_rank()
+        dist.broadcast_object_list(keys_box, src=last, group=pp_group)
+        keys = keys_box[0]
+        values = torch.zeros(len(keys), dtype=torch.float64)
+        if parallel_state.is_pipeline_last_stage():
+            for i, k in enumerate(keys):
+                total = sum(float(s[k]) for s in stats)
+                values[i] = total if k == "loss" else total / max(num_mbs, 1)
+        dist.broadcast(values, src=last, group=pp_group)
+        dp_group = parallel_state.get_data_parallel_group()
+        dist.all_reduce(values, group=dp_group)
+        dp = dist.get_world_size(dp_group)
+        return {k: float(v) if k == "loss" else float(v) / dp for k, v in zip(keys, values.tolist())}
+
+    def optimizer_step(self) -> dict[str, float]:
+        if self.optimizer is None:
+            raise RuntimeError("this engine was built without an optimizer (optim=None)")
+        ok, grad_norm, _ = self.optimizer.step()
+        lr = self.optimizer.param_groups[0]["lr"]
+        if ok:
+            self.scheduler.step(increment=1)
+        self._zero_grads()
+        return {"grad_norm": float(grad_norm) if grad_norm is not None else math.nan, "lr": lr, "update_ok": ok}
+
+    def _zero_grads(self) -> None:
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+
+    @torch.no_grad()
+    def infer(self, batch: JaggedBatch, *, entropy: bool = False) -> dict[str, Tensor]:
+        """Per-token `log_probs` (and `entropy`) in the batch's flat layout, on every rank of the DP group."""
+        from megatron.core import parallel_state
+
+        for chunk in self.model:
+            chunk.eval()
+        mbs = self.micro_batches(batch)
+
+        def collect(mb: PackedMicroBatch, output: Any) -> tuple[Tensor, dict[str, Any]]:
+            outputs = self._token_outputs(mb, output)
+            return torch.zeros((), device=_device()), {k: v.cpu() for k, v in outputs.items()}
+
+        stats = self._run_schedule(mbs, collect, forward_only=True)
+        keys = self._output_keys(entropy)
+        lengths = batch.lengths.tolist()
+        n = int(sum(lengths))
+        out = torch.zeros(len(keys), n, dtype=torch.float32)
+        if parallel_state.is_pipeline_last_stage():
+            for i, k in enumerate(keys):
+                out[i] = scatter_to_batch([(mb.sample_index, s[k]) for mb, s in zip(mbs, stats)], lengths)
+        dist.broadcast(
+            out,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
+        return dict(zip(keys, out))
+
+    def _output_keys(self, entropy: bool) -> list[str]:
+        return ["log_probs", "entropy"] if entropy else ["log_probs"]
+
+    # ---- the rest of the contract ---------------------------------------------------------------------------
+    def unwrapped(self) -> list[torch.nn.Module]:
+        return [chunk.module for chunk in self.model]
+
+    def export_weights(self) -> Iterator[tuple[str, Tensor]]:
+        return self.bridge.export(self.unwrapped())
+
+    def to(self, device: str, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
+        raise NotImplementedError("offload is not implemented yet")
+
+    def save_checkpoint(self, path: str) -> None:
+        raise NotImplementedError("dist-checkpointing is not implemented yet")
+
+    def load_checkpoint(self, path: str) -> None:
+        raise NotImplementedError("dist-checkpointing is not implemented yet")
+
+    def mesh(self, name: str = "train") -> Any:
+        """Dense-parameter mesh in Megatron's rank order (tp fastest, then cp, dp, pp)."""
+        from megatron.core import parallel_state as ps
+
+        from mrl.controller.mesh import DeviceMesh
+
+        dims = {
+            "pp": ps.get_pipeline_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size(),
+            "cp": ps.get_context_parallel_world_size(),
+            "tp": ps.get_tensor_model_parallel_world_size(),
+        }
+        coords = {
+            "pp": ps.get_pipeline_model_parallel_rank(),
+            "dp": ps.get_data_parallel_rank(),
+            "cp": ps.get_context_parallel_rank(),
+            "tp": ps.get_tensor_model_parallel_rank(),
+        }
+        return DeviceMesh.create(dims, coords=coords)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def build_chunks(config: Any, model_kwargs: Mapping[str, Any]) -> list[torch.nn.Module]:
+    """GPTModel chunks (one per virtual stage) with packing-capable attention: TransformerEngine's spec when TE is
+    importable, else the local spec with SdpaAttention."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    from mrl.engine.megatron import cpu_compat
+    from mrl.engine.megatron.attention import sdpa_layer_spec
+    from mrl.engine.megatron.model import build_model, transformer_engine_available
+
+    if transformer_engine_available():
+        return build_model(config, dict(model_kwargs), use_te=True)
+    cpu_compat.apply()
+    vpp = config.virtual_pipeline_model_parallel_size
+    chunks: list[torch.nn.Module] = []
+    for vp_stage in [None] if not vpp or vpp == 1 else list(range(vpp)):
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=sdpa_layer_spec(config, vp_stage=vp_stage),
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            vp_stage=vp_stage,
+            **model_kwargs,
+        )
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    return chunks
