@@ -95,78 +95,62 @@ def _divisibility_error(method: str, length: int, n: int) -> ValueError:
     )
 
 
+def _row_count(method: str, values: dict[str, Any]) -> int | None:
+    """The common length of the data arguments in values (None without any)."""
+    lengths = {name: splitting.data_len(v) for name, v in values.items() if splitting.is_data(v)}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"{method}: data arguments must have the same number of rows, got {lengths}")
+    return next(iter(lengths.values()), None)
+
+
+def _padding(method: str, spec: RegisterSpec, length: int | None, n: int) -> int | None:
+    pad = None if length is None else -length % n
+    if pad and not spec.pad:
+        raise _divisibility_error(method, length, n)
+    return pad
+
+
 def _plan_split(
     method: str, spec: RegisterSpec, layout: DispatchLayout, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> CallPlan:
     n = layout.n_chunks
-    items = [(f"#{i}", a) for i, a in enumerate(args)] + [(repr(k), v) for k, v in kwargs.items()]
+    names = [f"#{i}" for i in range(len(args))] + [repr(k) for k in kwargs]
+    values = dict(zip(names, [*args, *kwargs.values()]))
+    pad = _padding(method, spec, _row_count(method, values), n)
 
-    lengths = {name: splitting.data_len(v) for name, v in items if splitting.is_data(v)}
-    if len(set(lengths.values())) > 1:
-        raise ValueError(f"{method}: data arguments must have the same number of rows, got {lengths}")
-    length = next(iter(lengths.values()), None)
-    pad = None if length is None else -length % n
-    if pad and not spec.pad:
-        raise _divisibility_error(method, length, n)
-
-    # A future is forwarded chunk-wise when its chunks line up with this call's: same count, same padding,
-    # and padding only where this method accepts it. Otherwise the driver resolves it (see future.py).
-    chunked: dict[str, list[Any]] = {}
-    resolved: dict[str, Any] = {}
-    for name, v in items:
+    # A future is forwarded chunk-wise when its chunks line up with this call's: same count, same padding, and
+    # padding only where this method accepts it. Otherwise the driver resolves it (see future.py).
+    chunks: dict[str, list[Any]] = {}
+    for name, v in values.items():
         if not isinstance(v, GroupFuture):
             continue
         p = v.collect.pad_count
-        forwardable = v.collect.how == "concat" and len(v.collect.indices) == n and (p == 0 or spec.pad)
-        if forwardable and (pad is None or p == pad):
-            chunked[name] = v.parts
-            pad = p
-            continue
-        value = v.get()
-        resolved[name] = value
-        if splitting.is_data(value):
-            length_v = splitting.data_len(value)
-            if length is not None and length_v != length:
-                raise ValueError(
-                    f"{method}: data arguments must have the same number of rows, got { {**lengths, name: length_v} }"
-                )
-            length = length_v
-            pad_v = -length_v % n
-            if pad_v and not spec.pad:
-                raise _divisibility_error(method, length_v, n)
-            if pad is not None and pad_v != pad:
-                raise ValueError(
-                    f"{method}: argument {name} needs {pad_v} padded rows but an earlier argument was padded by {pad}"
-                )
-            pad = pad_v
-
-    for name, v in items:
-        if name in chunked:
-            continue
-        v = resolved.get(name, v)
-        if splitting.is_data(v):
-            padded, p = splitting.pad_to_divisible(v, n) if pad else (v, 0)
-            if p != (pad or 0):
-                raise ValueError(f"{method}: padding argument {name} added {p} rows, expected {pad}")
-            chunked[name] = splitting.split(padded, n)
+        if v.collect.how == "concat" and len(v.collect.indices) == n and (p == 0 or spec.pad) and pad in (None, p):
+            chunks[name], pad = v.parts, p
         else:
-            resolved[name] = v
+            values[name] = v.get()
 
-    def value_for(name: str, chunk: int) -> Any:
-        return chunked[name][chunk] if name in chunked else resolved[name]
+    plain = {name: v for name, v in values.items() if name not in chunks}
+    plain_pad = _padding(method, spec, _row_count(method, plain), n)
+    if None not in (pad, plain_pad) and pad != plain_pad:
+        raise ValueError(f"{method}: a forwarded future carries {pad} padded rows but the other data needs {plain_pad}")
+    pad = plain_pad if pad is None else pad
+    for name, v in plain.items():
+        if splitting.is_data(v):
+            padded, _ = splitting.pad_to_divisible(v, n) if pad else (v, 0)
+            chunks[name] = splitting.split(padded, n)
 
-    ranks = list(range(len(layout.chunk_of_rank)))
-    collect_set = set(layout.collect_ranks)
+    def for_chunk(c: int) -> list[Any]:
+        return [chunks[name][c] if name in chunks else values[name] for name in names]
+
+    per_rank = [for_chunk(c) for c in layout.chunk_of_rank]
     n_pos = len(args)
-    per_rank_args, per_rank_kwargs = [], []
-    for r in ranks:
-        c = layout.chunk_of_rank[r]
-        per_rank_args.append(tuple(value_for(name, c) for name, _ in items[:n_pos]))
-        per_rank_kwargs.append({k: value_for(repr(k), c) for k in kwargs})
+    collect_set = set(layout.collect_ranks)
+    ranks = list(range(len(layout.chunk_of_rank)))
     return CallPlan(
         ranks,
-        per_rank_args,
-        per_rank_kwargs,
+        [tuple(v[:n_pos]) for v in per_rank],
+        [dict(zip(kwargs, v[n_pos:])) for v in per_rank],
         [r in collect_set for r in ranks],
         CollectPlan(layout.collect_ranks, "concat", pad or 0),
     )
