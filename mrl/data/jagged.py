@@ -2,12 +2,12 @@
 
 Sample i is `values[offsets[i]:offsets[i + 1]]`; `values` has shape `[total_tokens, *feature]` and `offsets` is
 int64 `[n + 1]` with `offsets[0] == 0` (every operation keeps that invariant; it is not re-checked, which would
-cost a device sync), on the same device as `values`. `offsets` are the `cu_seqlens` of the
-engine's packed (THD) micro-batches, so packing a selection of samples is one gather and no per-token Python.
+cost a device sync), on the same device as `values`. `offsets` are the `cu_seqlens` of the engine's packed (THD)
+micro-batches, so packing a selection of samples is one gather and no per-token Python.
 
-Every operation is vectorised over samples: gathers are built from `repeat_interleave` of segment starts,
-never from a Python loop over samples or tokens. Contiguous slices are views (no copy); any other selection
-materialises a compact values tensor.
+Every operation is vectorised over samples: a selection's token gather index is one scan (`gather_plan`), never
+a Python loop over samples or tokens. Contiguous slices are views (no copy); any other selection materialises a
+compact values tensor.
 """
 
 from __future__ import annotations
