@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections import Counter
@@ -14,6 +15,19 @@ from mrl.controller.future import Gather
 from mrl.controller.resource_pool import RayResourcePool, node_ip, placement_options
 from mrl.controller.worker import DEFAULT_MASTER_ADDR, RayClassWithInitArgs
 from mrl.controller.worker_group import WorkerGroup
+
+
+def _exporting_env(cls: type) -> type:
+    """cls whose constructor first exports the rank and rendezvous variables the group assigns (Worker.__init__
+    reads them). Passing them to the constructor rather than as a per-actor runtime_env lets Ray place the actors
+    in its already started idle worker processes; the cost is that they are not yet set while the worker's
+    modules are imported."""
+
+    def __init__(self: Any, *args: Any, _mrl_env: dict[str, str], **kwargs: Any) -> None:
+        os.environ.update(_mrl_env)
+        cls.__init__(self, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__qualname__": cls.__qualname__})
 
 
 class WorkerGroupStartTimeout(RuntimeError):
@@ -53,7 +67,7 @@ class RayWorkerGroup(WorkerGroup):
     def _create_workers(
         self, pool: RayResourcePool, rc: RayClassWithInitArgs, master_addr: str | None, timeout: float
     ) -> list[Any]:
-        remote_cls = ray.remote(rc.cls)
+        remote_cls = ray.remote(_exporting_env(rc.cls))
         slots = pool.slots()
         rendezvous = {"MASTER_ADDR": master_addr or node_ip(*slots[0])}
         workers: list[Any] = []
@@ -62,9 +76,7 @@ class RayWorkerGroup(WorkerGroup):
             for rank, (pg, bundle) in enumerate(slots):
                 env = {"RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(bundle), **rendezvous}
                 options = {**placement_options(pool, pg, bundle), "name": f"{self.name_prefix}_{rank}", **rc.options}
-                runtime_env = dict(options.pop("runtime_env", None) or {})
-                runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **env}
-                workers.append(remote_cls.options(runtime_env=runtime_env, **options).remote(*rc.args, **rc.kwargs))
+                workers.append(remote_cls.options(**options).remote(*rc.args, _mrl_env=env, **rc.kwargs))
                 if rank == 0:
                     addr, port = ray.get(workers[0]._mrl_master_addr_port.remote(), timeout=timeout)
                     rendezvous = {"MASTER_ADDR": addr, "MASTER_PORT": str(port)}
