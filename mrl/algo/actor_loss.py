@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from mrl.algo.aggregation import LossNormalizer, agg_loss
-from mrl.algo.kl import kl_penalty
+from mrl.algo.aggregation import LOSS_AGG_MODES, LossNormalizer, agg_loss
+from mrl.algo.kl import KL_ESTIMATORS, kl_penalty
 from mrl.algo.policy_loss import PolicyLossConfig, compute_policy_loss
 
 
@@ -29,6 +29,12 @@ class ActorLossConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
+
+    def __post_init__(self) -> None:
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"actor.loss_agg_mode '{self.loss_agg_mode}' unknown; known: {', '.join(LOSS_AGG_MODES)}")
+        if self.kl_loss_type not in KL_ESTIMATORS:
+            raise ValueError(f"actor.kl_loss_type '{self.kl_loss_type}' unknown; known: {', '.join(KL_ESTIMATORS)}")
 
 
 def actor_loss(

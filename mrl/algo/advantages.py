@@ -38,6 +38,10 @@ class AdvantageConfig:
     # GAE: whiten advantages over the whole batch (verl always does; off is useful for tests and value-only use).
     whiten_gae: bool = True
 
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
+            raise ValueError(f"algorithm.gamma and algorithm.lam must be in [0, 1], got {self.gamma}, {self.lam}")
+
 
 class AdvantageOutput(NamedTuple):
     advantages: Tensor

@@ -33,6 +33,14 @@ class PolicyLossConfig:
     clip_ratio_high: float | None = None
     clip_ratio_c: float = 3.0
 
+    def __post_init__(self) -> None:
+        if self.loss_mode not in POLICY_LOSSES:
+            raise ValueError(f"actor.policy_loss.loss_mode '{self.loss_mode}' unknown; known: {POLICY_LOSSES.names()}")
+        if not (0.0 <= self.eps_low < 1.0 and self.eps_high >= 0.0):
+            raise ValueError(f"actor.clip_ratio_low must be in [0, 1) and clip_ratio_high >= 0, got {self}")
+        if self.clip_ratio_c <= 1.0:
+            raise ValueError(f"actor.clip_ratio_c must be > 1 for dual-clip PPO, got {self.clip_ratio_c}")
+
     @property
     def eps_low(self) -> float:
         return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
@@ -81,7 +89,7 @@ def ppo_clip_loss(
     old_log_prob: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    config: PolicyLossConfig = PolicyLossConfig(),
+    config: PolicyLossConfig,
 ) -> PolicyLossOutput:
     """PPO-clip (Schulman et al. 2017) with dual clip (Ye et al. 2020), per token, r = π/π_old:
 
@@ -92,8 +100,6 @@ def ppo_clip_loss(
     Metrics: pg_clipfrac (tokens where the clipped branch is taken), pg_clipfrac_lower (A < 0 tokens where the dual
     clip binds), ppo_kl.
     """
-    if config.clip_ratio_c <= 1.0:
-        raise ValueError(f"actor.clip_ratio_c must be > 1 for dual-clip PPO, got {config.clip_ratio_c}")
     log_prob, old_log_prob, advantages = _valid_only(response_mask, log_prob, old_log_prob, advantages)
     log_ratio = (log_prob - old_log_prob).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
@@ -117,7 +123,7 @@ def gspo_loss(
     old_log_prob: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    config: PolicyLossConfig = PolicyLossConfig(),
+    config: PolicyLossConfig,
 ) -> PolicyLossOutput:
     """GSPO (Zheng et al. 2025), token form. The sequence ratio is the geometric mean of token ratios,
 
@@ -150,7 +156,7 @@ def cispo_loss(
     old_log_prob: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    config: PolicyLossConfig = PolicyLossConfig(),
+    config: PolicyLossConfig,
 ) -> PolicyLossOutput:
     """CISPO (MiniMax-M1, 2025): clip the importance weight, not the objective, and stop its gradient:
 
@@ -177,7 +183,7 @@ def compute_policy_loss(
     old_log_prob: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    config: PolicyLossConfig = PolicyLossConfig(),
+    config: PolicyLossConfig,
 ) -> PolicyLossOutput:
     """Run the loss registered as `config.loss_mode`."""
     return POLICY_LOSSES.get(config.loss_mode)(log_prob, old_log_prob, advantages, response_mask, config)

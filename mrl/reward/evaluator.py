@@ -132,11 +132,13 @@ class RewardEvaluator:
 
     def submit(self, items: Sequence[RewardItem]) -> "Future[list[RewardResult]]":
         """Start evaluating in the background and return at once; `.result()` blocks for the scores."""
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-            self._loop_thread = threading.Thread(target=self._loop.run_forever, name="mrl-reward-loop", daemon=True)
-            self._loop_thread.start()
-        return asyncio.run_coroutine_threadsafe(self.evaluate(list(items)), self._loop)
+        with self._pool_lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                self._loop_thread = threading.Thread(target=self._loop.run_forever, name="mrl-reward-loop", daemon=True)
+                self._loop_thread.start()
+            loop = self._loop
+        return asyncio.run_coroutine_threadsafe(self.evaluate(list(items)), loop)
 
     def evaluate_sync(self, items: Sequence[RewardItem]) -> list[RewardResult]:
         return self.submit(items).result()

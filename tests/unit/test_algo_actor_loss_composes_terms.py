@@ -75,3 +75,10 @@ def test_kl_loss_without_reference_log_probs_is_a_config_error():
     log_prob, old, _, _, advantages, _, mask = _batch()
     with pytest.raises(ValueError, match="use_kl_loss"):
         actor_loss(log_prob, old, advantages, mask, None, ActorLossConfig(use_kl_loss=True))
+
+
+def test_invalid_actor_loss_settings_fail_at_construction():
+    with pytest.raises(ValueError, match="loss_agg_mode 'mean' unknown"):
+        ActorLossConfig(loss_agg_mode="mean")
+    with pytest.raises(ValueError, match="kl_loss_type 'k5' unknown"):
+        ActorLossConfig(kl_loss_type="k5")

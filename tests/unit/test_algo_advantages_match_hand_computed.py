@@ -126,3 +126,5 @@ def test_registry_names_and_config_errors():
         compute_advantage("grpo", rewards, mask)
     with pytest.raises(ValueError, match="index has 3 entries"):
         compute_advantage("grpo", rewards, mask, index=[0, 0, 0])
+    with pytest.raises(ValueError, match=r"algorithm\.gamma and algorithm\.lam"):
+        AdvantageConfig(lam=1.5)

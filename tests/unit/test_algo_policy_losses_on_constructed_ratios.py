@@ -39,10 +39,13 @@ def test_ppo_asymmetric_clip_uses_clip_ratio_low_and_high():
     torch.testing.assert_close(out.loss_mat, torch.tensor([[-1.28, 0.9]], dtype=torch.float64))
 
 
-def test_dual_clip_bound_must_exceed_one():
-    log_prob, old = _log_probs([[1.0]])
+def test_invalid_clip_settings_fail_at_construction():
     with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
-        compute_policy_loss(log_prob, old, torch.ones(1, 1), torch.ones(1, 1), PolicyLossConfig(clip_ratio_c=0.5))
+        PolicyLossConfig(clip_ratio_c=0.5)
+    with pytest.raises(ValueError, match="clip_ratio_low must be in"):
+        PolicyLossConfig(clip_ratio_low=1.0)
+    with pytest.raises(ValueError, match="loss_mode 'dpo' unknown"):
+        PolicyLossConfig(loss_mode="dpo")
 
 
 def test_gspo_clips_whole_sequences_by_the_geometric_mean_ratio():
@@ -88,9 +91,3 @@ def test_masked_tokens_get_zero_loss_and_zero_gradient_even_with_inf_padding():
         assert out.loss_mat[0, 1] == 0 and torch.isfinite(out.loss_mat).all(), mode
         agg_loss(out.loss_mat, mask).backward()
         assert log_prob.grad[0, 1] == 0 and torch.isfinite(log_prob.grad).all(), mode
-
-
-def test_unknown_loss_mode_names_the_setting():
-    log_prob, old = _log_probs([[1.0]])
-    with pytest.raises(KeyError, match="loss_mode"):
-        compute_policy_loss(log_prob, old, torch.ones(1, 1), torch.ones(1, 1), PolicyLossConfig(loss_mode="dpo"))
