@@ -22,6 +22,7 @@ from mrl.controller import (
     nd_compute,
     register,
 )
+from mrl.data.batch import Batch
 
 pytestmark = pytest.mark.integration
 
@@ -92,6 +93,22 @@ class RankWorker(Worker):
         self.received = rows
         m = self.mesh("dp_pp").coord
         return [(m["dp"], m["pp"], r) for r in rows]
+
+    @register(Dispatch.DP_COMPUTE, pad=True)
+    def score_batch(self, batch: Batch) -> Batch:
+        """A read-only call on the real Batch: one score per sample (sum of its jagged response) and the rank."""
+        self.received = batch.as_list("uid")
+        scores = torch.stack([r.sum() for r in batch.as_list("response")])
+        return Batch.from_dict(
+            {"uid": batch.as_list("uid"), "score": scores, "rank": torch.full_like(scores, self.rank)}
+        )
+
+    @register(nd_compute("dp_tp"))
+    def update_batch(self, batch: Batch) -> Batch:
+        self.received = batch.as_list("uid")
+        return Batch.from_dict(
+            {"uid": batch.as_list("uid"), "tp": torch.full((len(batch),), self.mesh("dp_tp").coord["tp"])}
+        )
 
     @register(Dispatch.ONE_TO_ALL)
     def allreduce_ranks(self) -> float:
@@ -189,3 +206,26 @@ def test_nd_compute_dp2_pp2_collects_from_the_last_stage(group):
     assert fut.collect.indices == (2, 3)  # (pp 1, dp 0) and (pp 1, dp 1)
     assert fut.get() == [(0, 1, "a"), (0, 1, "b"), (1, 1, "c"), (1, 1, "d")]
     assert group.last_received() == [["a", "b"], ["c", "d"], ["a", "b"], ["c", "d"]]
+
+
+def jagged_batch(n: int) -> Batch:
+    responses = [torch.arange(i % 3 + 1, dtype=torch.float32) + i for i in range(n)]  # lengths 1, 2, 3, 1, ...
+    return Batch.from_dict({"uid": [f"s{i}" for i in range(n)], "response": responses})
+
+
+def test_real_batch_is_padded_split_and_unpadded_through_dp_compute(group):
+    batch = jagged_batch(10)
+    out = group.score_batch(batch)
+    assert isinstance(out, Batch) and len(out) == 10
+    assert out.as_list("uid") == [f"s{i}" for i in range(10)]
+    assert torch.equal(out["score"], torch.stack([r.sum() for r in batch.as_list("response")]))
+    assert out["rank"].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3]
+    assert group.last_received()[3] == ["s9", "s0", "s1"]  # the padded rows are leading samples again
+
+
+def test_real_batch_follows_the_nd_mesh_and_training_calls_refuse_padding(group):
+    out = group.update_batch(jagged_batch(4))
+    assert out.as_list("uid") == ["s0", "s1", "s2", "s3"] and out["tp"].tolist() == [0, 0, 0, 0]
+    assert group.last_received() == [["s0", "s1"], ["s0", "s1"], ["s2", "s3"], ["s2", "s3"]]
+    with pytest.raises(ValueError, match="update_batch: batch size 5 is not divisible by the data-parallel size 2"):
+        group.update_batch(jagged_batch(5))
