@@ -1,0 +1,210 @@
+"""The Bridge: one HF architecture's config translation and mapping table, and what they drive.
+
+A family declares two things (see bridges/families/): `config_fields()` (HF config → TransformerConfig fields
+and GPTModel keyword arguments) and `mappings()` (a list of primitives from `bridges.mapping`). The same table
+drives `load_hf` (each rank reads only its slices), `export` (HF-named stream from any layout, in
+`bridges.export`) and `save_hf`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from bridges.hf_io import HFCheckpoint, ReadStats, copy_hf_metadata, write_safetensors
+from bridges.mapping import Mapping, ModelShape, Shard
+from bridges.names import LocalTensor, local_tensors
+
+
+class UnmappedParametersError(ValueError):
+    """Megatron parameters that no mapping of the bridge covers."""
+
+
+@dataclass(frozen=True)
+class Resolved:
+    mapping: Mapping
+    indices: tuple[int, ...]
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """RoPE settings of an HF config (transformers 5: `rope_parameters`; older: rope_theta + rope_scaling)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.pop("type", "default"))
+    return params
+
+
+class Bridge:
+    """Base class of a family bridge. Subclasses set `architectures` and implement the two declarations."""
+
+    architectures: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, hf_config: Any) -> None:
+        self.hf_config = hf_config
+        self._table: list[Mapping] | None = None
+        self._export_plans: dict[Any, Any] = {}
+
+    # ---- declarations (per family) -------------------------------------------------------------------------
+    def config_fields(self) -> dict[str, Any]:
+        """Architecture fields of the TransformerConfig (no parallel sizes, dtypes or fusion switches)."""
+        raise NotImplementedError
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of GPTModel: vocab size, positions, RoPE, tied embeddings."""
+        raise NotImplementedError
+
+    def mappings(self) -> list[Mapping]:
+        raise NotImplementedError
+
+    def config_class(self) -> type:
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        return TransformerConfig
+
+    # ---- generic --------------------------------------------------------------------------------------------
+    def transformer_config(self, **runtime: Any) -> Any:
+        """The TransformerConfig: the family's architecture fields, then runtime fields (layout, dtype...)."""
+        return self.config_class()(**{**self.config_fields(), **runtime})
+
+    @property
+    def table(self) -> list[Mapping]:
+        if self._table is None:
+            self._table = self.mappings()
+        return self._table
+
+    def resolve(self, megatron_name: str) -> Resolved | None:
+        for mapping in self.table:
+            indices = mapping.match(megatron_name)
+            if indices is not None:
+                return Resolved(mapping, indices)
+        return None
+
+    def local_tensors(self, chunks: Sequence[torch.nn.Module]) -> list[LocalTensor]:
+        from megatron.core import parallel_state as ps
+
+        ep_rank, ep_size = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
+        return [t for chunk in chunks for t in local_tensors(chunk, ep_rank, ep_size)]
+
+    def check_coverage(self, chunks: Sequence[torch.nn.Module]) -> None:
+        """Raise UnmappedParametersError listing every parameter of `chunks` that no mapping covers.
+
+        Persistent buffers are covered only where a mapping names them (Megatron keeps counters as buffers).
+        """
+        params = {id(p) for chunk in chunks for p in chunk.parameters()}
+        missing = sorted(
+            t.name for t in self.local_tensors(chunks) if id(t.tensor) in params and self.resolve(t.name) is None
+        )
+        if missing:
+            raise UnmappedParametersError(
+                f"{type(self).__name__} ({', '.join(self.architectures) or 'unregistered'}) leaves "
+                f"{len(missing)} Megatron parameter(s) unmapped: {missing}"
+            )
+
+    def model_shape(self, config: Any) -> ModelShape:
+        return ModelShape(
+            config.num_attention_heads, config.num_query_groups or config.num_attention_heads, config.kv_channels
+        )
+
+    @staticmethod
+    def shard_of(tensor: LocalTensor) -> Shard:
+        from megatron.core import parallel_state as ps
+
+        if tensor.is_expert:
+            return Shard(ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
+        return Shard(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
+
+    @torch.no_grad()
+    def load_hf(self, chunks: Sequence[torch.nn.Module], folder: str | os.PathLike[str]) -> ReadStats:
+        """Fill this rank's model chunks from an HF folder, one parameter at a time, reading only own slices.
+
+        Returns the reader's byte counters (total read, peak alive) for this rank.
+        """
+        self.check_coverage(chunks)
+        shape = self.model_shape(_config_of(chunks[0]))
+        with HFCheckpoint(folder) as checkpoint:
+            for tensor in self.local_tensors(chunks):
+                resolved = self.resolve(tensor.name)
+                if resolved is None:
+                    continue  # an unmapped buffer (router counters): state, not weights
+                names = resolved.mapping.hf_names(resolved.indices)
+                value = resolved.mapping.load([checkpoint(n) for n in names], self.shard_of(tensor), shape)
+                if value.shape != tensor.tensor.shape:
+                    raise ValueError(
+                        f"{tensor.local_name} ({tensor.name}): HF {names} give shape {tuple(value.shape)}, "
+                        f"the model expects {tuple(tensor.tensor.shape)}"
+                    )
+                tensor.tensor.copy_(value)
+                del value
+            return checkpoint.stats
+
+    def export(
+        self,
+        chunks: Sequence[torch.nn.Module],
+        *,
+        dtype: torch.dtype | None = None,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every HF tensor as (hf_name, tensor), on every rank (collective: all ranks must iterate it fully).
+
+        Gathers over TP / expert-TP, gathers experts over EP, broadcasts from the owning PP stage. Tensors
+        may be views of parameters when no gather was needed: copy them if the model changes meanwhile.
+        """
+        from bridges.export import export_stream
+
+        return export_stream(self, chunks, dtype=dtype)
+
+    def export_buckets(
+        self,
+        chunks: Sequence[torch.nn.Module],
+        bucket_bytes: int,
+        *,
+        dtype: torch.dtype | None = None,
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The export stream grouped into buckets of at most `bucket_bytes` (a bigger tensor gets its own).
+
+        The bucket boundaries come from the export plan, computed once per model and dtype.
+        """
+        from bridges.export import export_buckets
+
+        return export_buckets(self, chunks, bucket_bytes, dtype=dtype)
+
+    def save_hf(
+        self,
+        chunks: Sequence[torch.nn.Module],
+        folder: str | os.PathLike[str],
+        *,
+        source: str | os.PathLike[str] | None = None,
+        dtype: torch.dtype | None = None,
+        max_shard_bytes: int = 5 * 1024**3,
+    ) -> None:
+        """Write a loadable HF checkpoint: config, tokenizer files copied from `source`, safetensors.
+
+        Collective: every rank iterates the export stream; global rank 0 writes.
+        """
+        writer = dist.get_rank() == 0 if dist.is_initialized() else True
+        stream = self.export(chunks, dtype=dtype)
+        if not writer:
+            for _ in stream:
+                pass
+            return
+        out = Path(folder)
+        if source is not None:
+            copy_hf_metadata(source, out)
+        config = self.hf_config
+        if dtype is not None:
+            config.dtype = dtype
+        config.save_pretrained(str(out))
+        write_safetensors(stream, out, max_shard_bytes=max_shard_bytes)
+
+
+def _config_of(chunk: torch.nn.Module) -> Any:
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk.config

@@ -1,0 +1,143 @@
+"""Build megatron-core GPTModel chunks (one per virtual pipeline stage) from a TransformerConfig.
+
+The architecture comes from a bridge (`bridge.transformer_config(**runtime_config(...))` and
+`bridge.model_kwargs()`); this module adds what depends on the machine and the layout: parallel sizes, dtypes,
+the layer spec (TransformerEngine when importable, Megatron's local modules otherwise) and the fusion switches
+that need CUDA kernels.
+
+What runs on CPU with the local spec (megatron-core 0.19.2): dense GPT (GQA, QKV bias, QK-norm), MoE with
+SequentialMLP experts (router softmax or sigmoid with expert bias and group-limited top-k, shared experts), and
+multi-latent attention (MLASelfAttention with ColumnParallelLinear down/up projections and RMSNorm on the
+q/kv latents), all with ordinary [batch, seq] inputs and a causal mask. Not without TransformerEngine: packed
+(THD) sequences, context parallelism, fused grouped-GEMM experts (TEGroupedMLP) and MLA down-projection fusion.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Any
+
+import torch
+
+from mrl.engine.megatron.parallel import ParallelLayout
+
+
+def transformer_engine_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def runtime_config(
+    layout: ParallelLayout,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    sequence_parallel: bool = False,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """TransformerConfig fields that depend on layout and machine, not on the architecture.
+
+    Fusions that need CUDA kernels (or TE) are switched off without CUDA; dropout is off (RL recomputes
+    log-probs, which must match the rollout's). `overrides` win over everything.
+    """
+    cuda = torch.cuda.is_available()
+    fields: dict[str, Any] = dict(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp if layout.etp is not None else layout.tp,
+        sequence_parallel=sequence_parallel and layout.tp > 1,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=not cuda,
+        gradient_accumulation_fusion=False,  # needs the fused_weight_gradient_mlp_cuda extension
+        bias_activation_fusion=False,  # the fused SwiGLU path is only a speed-up; keep one code path
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,  # the local spec's fused softmax needs Megatron's CUDA extensions
+        apply_rope_fusion=False,  # the fused RoPE path needs TE or apex
+        persist_layer_norm=False,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        moe_grouped_gemm=False,  # local spec: SequentialMLP; TEGroupedMLP only with TE
+        moe_token_dispatcher_type="alltoall",
+    )
+    fields.update(overrides)
+    return fields
+
+
+@functools.cache
+def _local_mla_core_attention() -> type:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class LocalMLACoreAttention(DotProductAttention):
+        """Megatron's local (unfused) attention for MLA, whose key and value head sizes differ.
+
+        MLASelfAttention passes k_channels/v_channels, which the local DotProductAttention (0.19.2) does not
+        accept; its output width must be heads × v_head_dim instead of heads × kv_channels. The scores use the
+        query/key tensors as given and the softmax scale MLA computes, so nothing else changes.
+        """
+
+        def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:
+                self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
+
+    return LocalMLACoreAttention
+
+
+def layer_spec(config: Any, *, use_te: bool | None = None, vp_stage: int | None = None) -> Any:
+    """The decoder block spec of this pipeline stage (dense/MoE per layer from `moe_layer_freq`, MLA or not)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    use_te = transformer_engine_available() if use_te is None else use_te
+    spec = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=use_te, normalization=config.normalization, vp_stage=vp_stage
+    )
+    if config.multi_latent_attention and not use_te:
+        mla_attention = _local_mla_core_attention()
+        for layer in spec.layer_specs:
+            attention = layer.submodules.self_attention.submodules
+            if attention.core_attention is DotProductAttention:
+                attention.core_attention = mla_attention
+    return spec
+
+
+def build_model(
+    config: Any,
+    model_kwargs: dict[str, Any],
+    *,
+    use_te: bool | None = None,
+) -> list[torch.nn.Module]:
+    """GPTModel chunks of this rank: one per virtual stage (a single chunk without VPP), on the current device.
+
+    Each chunk gets pre/post-processing (embedding, final norm and output layer) only where it is the
+    first/last stage of the whole pipeline.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    from mrl.engine.megatron import cpu_compat
+
+    cpu_compat.apply()
+    vpp = config.virtual_pipeline_model_parallel_size
+    stages = [None] if not vpp or vpp == 1 else list(range(vpp))
+    chunks: list[torch.nn.Module] = []
+    for vp_stage in stages:
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(config, use_te=use_te, vp_stage=vp_stage),
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            vp_stage=vp_stage,
+            **model_kwargs,
+        )
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    return chunks

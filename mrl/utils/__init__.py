@@ -1,0 +1,1 @@
+"""Small shared utilities (process launcher for tests and tools)."""

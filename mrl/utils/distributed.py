@@ -1,0 +1,116 @@
+"""A small local launcher: run a function in N spawned processes that form one torch.distributed world.
+
+For tests and tools on one machine. Each process gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT in
+its environment (so `mrl.engine.megatron.parallel.init_distributed()` needs no arguments) and one CPU thread,
+and calls `fn(rank, world_size, *args)`; the launcher returns the per-rank results in rank order.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+class LaunchError(RuntimeError):
+    """A rank raised, died or timed out; the message carries the failing rank's traceback."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _child(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    args: Sequence[Any],
+    env: dict[str, str],
+    results: Any,
+    threads: int,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    import torch
+
+    # Many ranks share few cores; intra-op threads would oversubscribe them.
+    torch.set_num_threads(threads)
+    try:
+        # Plain pickle copies tensors into the message; the queue's own pickler would pass shared-memory
+        # handles that die with this process, which exits right after.
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 600.0,
+    env: dict[str, str] | None = None,
+    threads_per_rank: int = 1,
+) -> list[Any]:
+    """Run picklable `fn(rank, world_size, *args)` on `world_size` spawned local processes; return results by rank.
+
+    Raises LaunchError as soon as one rank fails (its traceback in the message), when a process exits without
+    a result, or after `timeout_s`; the other processes are then terminated.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    base_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **(env or {})}
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(fn, rank, world_size, args, base_env, results, threads_per_rank),
+            name=f"mrl-rank{rank}",
+            daemon=False,
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(out))
+                raise LaunchError(f"{fn.__name__}: ranks {missing} did not finish within {timeout_s:.0f} s")
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
+                if dead:
+                    # Give a dying rank's own report a moment to arrive: it is more useful than the exit code.
+                    try:
+                        rank, ok, value = results.get(timeout=2.0)
+                    except queue.Empty:
+                        codes = {r: procs[r].exitcode for r in dead}
+                        raise LaunchError(f"{fn.__name__}: ranks exited without a result: {codes}") from None
+                else:
+                    continue
+            if not ok:
+                raise LaunchError(f"{fn.__name__} failed on rank {rank}/{world_size}:\n{value}")
+            out[rank] = pickle.loads(value)
+        for proc in procs:
+            proc.join(timeout=max(deadline - time.monotonic(), 1.0))
+        return [out[r] for r in range(world_size)]
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in procs:
+            proc.join(timeout=5.0)
+            if proc.is_alive():
+                proc.kill()
