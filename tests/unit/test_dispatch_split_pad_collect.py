@@ -3,6 +3,7 @@ and how a future from an earlier call is forwarded."""
 
 from __future__ import annotations
 
+import math
 import pickle
 
 import pytest
@@ -175,6 +176,30 @@ def test_nd_compute_plan_sends_one_chunk_per_dp_group_and_keeps_only_collect_ran
 def test_non_data_results_of_a_split_call_come_back_as_a_list_in_dp_order():
     p = plan_dp(2, [1, 2])
     assert combine(p.collect, [{"loss": 1.0}, {"loss": 2.0}]) == [{"loss": 1.0}, {"loss": 2.0}]
+
+
+@given(
+    st.permutations(["pp", "dp", "cp", "tp"]),
+    st.lists(st.integers(1, 3), min_size=4, max_size=4),
+    st.integers(1, 25),
+    st.sampled_from(["list", "tensor", "batch"]),
+)
+def test_identity_call_on_any_mesh_returns_its_input(order, sizes, length, kind):
+    """Split → identity on every rank → collect reproduces the batch, padded or not, on any PP/DP/CP/TP layout."""
+    dims = dict(zip(order, sizes))
+    world = math.prod(sizes)
+    layout = DispatchLayout.from_meshes("m", [DeviceMesh.create(dims, rank=r) for r in range(world)])
+    rows = list(range(length))
+    data = {"list": rows, "tensor": torch.tensor(rows), "batch": Rows(rows)}[kind]
+    p = plan_call("m", spec(nd_compute("m"), pad=True), world, (data,), {}, layout)
+    # every rank of a DP group got the same chunk
+    for r in range(world):
+        first = layout.collect_ranks[layout.chunk_of_rank[r]]
+        assert p.args[r][0] is p.args[first][0]
+    outputs = [a[0] if keep else None for a, keep in zip(p.args, p.keep)]
+    back = GroupFuture(outputs, p.collect, identity_resolve).get()
+    as_list = back.rows if kind == "batch" else list(map(int, back))
+    assert as_list == rows
 
 
 # --- futures ---
