@@ -7,11 +7,11 @@ collect step. Rules per dispatch mode:
 * ALL_TO_ALL: every argument is a list of world-size items; rank r gets item r of each.
 * DP_COMPUTE and nd_compute: every data argument (see `splitting`) is cut into n equal chunks, n = the DP size;
   rank r gets chunk layout.chunk_of_rank[r]; non-data arguments go unchanged to every rank (pass a tuple, not a
-  list, to send a sequence whole). All data arguments
-  must have the same length L. If n does not divide L the call fails unless the method was registered with
-  pad=True, in which case every data argument is padded by p = -L mod n rows and the concatenated result loses
-  its last p rows. Only the collect ranks' results are kept (others return None, so TP/PP duplicates never
-  travel); the result is their concatenation in DP order, or their list when they are not data.
+  list, to send a sequence whole). All data arguments must have the same length L. If n does not divide L the
+  call fails unless the method was registered with pad=True, in which case every data argument is padded by
+  p = -L mod n rows and the concatenated result loses its last p rows. Only the collect ranks' results are kept
+  (others return None, so TP/PP duplicates never travel); the result is their concatenation in DP order, or
+  their list when they are not data.
 """
 
 from __future__ import annotations
