@@ -18,6 +18,7 @@ event-loop thread; `await evaluate(items)` serves callers that already run a loo
 import asyncio
 import math
 import multiprocessing
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -38,21 +39,30 @@ class RewardItem:
 
 @dataclass(frozen=True)
 class RewardResult:
+    """`extra`: the other entries when the function returned a dict (e.g. {"score": 1.0, "acc": 1.0}), for metrics."""
+
     score: float
     error: str | None = None
+    extra: Mapping[str, Any] | None = None
 
 
 def score_item(fn: RewardFn, item: RewardItem) -> RewardResult:
-    """fn(solution_str, ground_truth, extra_info) as a finite float, or 0.0 with the reason; never raises."""
+    """fn(solution_str, ground_truth, extra_info) — a number, or a dict with a "score" entry — as a finite float,
+    or 0.0 with the reason; never raises."""
     try:
         if not isinstance(item.solution_str, str):
             return RewardResult(0.0, f"solution is {type(item.solution_str).__name__}, not str")
-        score = float(fn(item.solution_str, item.ground_truth, item.extra_info))
+        value = fn(item.solution_str, item.ground_truth, item.extra_info)
+        extra = None
+        if isinstance(value, Mapping):
+            extra = {k: v for k, v in value.items() if k != "score"}
+            value = value["score"]
+        score = float(value)
     except Exception as err:  # a reward function's bug must cost one sample's reward, not the run
         return RewardResult(0.0, f"{type(err).__name__}: {err}")
     if not math.isfinite(score):
         return RewardResult(0.0, f"non-finite score {score}")
-    return RewardResult(score)
+    return RewardResult(score, extra=extra)
 
 
 class RewardEvaluator:
@@ -75,22 +85,26 @@ class RewardEvaluator:
         self.timeout_s = timeout_s
         self.executor_kind = executor
         self._pool_lock = threading.Lock()
-        self._pool = self._new_pool()
+        self._pool, self._ready = self._new_pool()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
 
-    def _new_pool(self) -> Executor:
-        if self.executor_kind == "process":
-            # spawn, not fork: the trainer process holds threads (Ray, torch) that a fork would copy mid-state.
-            return ProcessPoolExecutor(self.max_workers, mp_context=multiprocessing.get_context("spawn"))
-        return ThreadPoolExecutor(self.max_workers, thread_name_prefix="mrl-reward")
+    def _new_pool(self) -> tuple[Executor, list["Future[int]"]]:
+        """A pool and the futures that say its workers have started (none needed for threads)."""
+        if self.executor_kind == "thread":
+            return ThreadPoolExecutor(self.max_workers, thread_name_prefix="mrl-reward"), []
+        # spawn, not fork: the trainer process holds threads (Ray, torch) that a fork would copy mid-state.
+        pool = ProcessPoolExecutor(self.max_workers, mp_context=multiprocessing.get_context("spawn"))
+        # Start every worker now; items wait for them untimed, since interpreter start-up on a loaded machine can
+        # take seconds that must not count against an item's timeout.
+        return pool, [pool.submit(os.getpid) for _ in range(self.max_workers)]
 
     def _recycle(self, stuck: Executor) -> None:
         """Replace `stuck` (once, however many items noticed it) and stop its workers where that is possible."""
         with self._pool_lock:
             if self._pool is not stuck:
                 return
-            self._pool = self._new_pool()
+            self._pool, self._ready = self._new_pool()
         if isinstance(stuck, ProcessPoolExecutor):
             if hasattr(stuck, "terminate_workers"):  # Python ≥ 3.14
                 stuck.terminate_workers()
@@ -112,8 +126,10 @@ class RewardEvaluator:
         loop = asyncio.get_running_loop()
         async with slots:
             for _ in range(2):
-                pool = self._pool
+                pool, ready = self._pool, self._ready
                 try:
+                    if ready:
+                        await asyncio.gather(*(asyncio.wrap_future(started) for started in ready))
                     return await asyncio.wait_for(loop.run_in_executor(pool, score_item, fn, item), self.timeout_s)
                 except TimeoutError:
                     self._recycle(pool)

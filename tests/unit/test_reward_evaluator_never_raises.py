@@ -50,7 +50,22 @@ def test_scores_by_data_source_and_malformed_items_score_zero():
     def text_reward(solution_str, ground_truth, extra_info=None):
         return "high"
 
-    for fn, message in [(raising, "RuntimeError: bug"), (nan_reward, "non-finite"), (text_reward, "ValueError")]:
+    def dict_reward(solution_str, ground_truth, extra_info=None):
+        return {"score": 0.5, "acc": 1.0}
+
+    def dict_without_score(solution_str, ground_truth, extra_info=None):
+        return {"acc": 1.0}
+
+    with RewardEvaluator(dict_reward) as evaluator:
+        assert evaluator.evaluate_sync([RewardItem("x", "x")]) == [RewardResult(0.5, extra={"acc": 1.0})]
+
+    failing = [
+        (raising, "RuntimeError: bug"),
+        (nan_reward, "non-finite"),
+        (text_reward, "ValueError"),
+        (dict_without_score, "KeyError"),
+    ]
+    for fn, message in failing:
         with RewardEvaluator(fn, max_workers=1) as evaluator:
             (result,) = evaluator.evaluate_sync([RewardItem("x", "x")])
         assert result.score == 0.0 and message in result.error
