@@ -86,9 +86,11 @@ class RayWorkerGroup(WorkerGroup):
             if pending:
                 raise ray.exceptions.GetTimeoutError(f"{len(pending)} of {len(workers)} workers pending")
             ray.get(started)
-        except ray.exceptions.GetTimeoutError as err:
-            for w in workers:
+        except Exception as err:
+            for w in workers:  # a half-started group would hold its slots and never serve
                 ray.kill(w)
+            if not isinstance(err, ray.exceptions.GetTimeoutError):
+                raise
             raise WorkerGroupStartTimeout(
                 f"workers of group {self.name_prefix!r} did not start within {timeout:g} s ({err}): each asks "
                 f"{pool.worker_resources()} of a slot {pool.bundle} in pool {pool.name_prefix!r}, which admits "

@@ -134,6 +134,25 @@ def test_group_beyond_max_colocate_count_fails_instead_of_hanging(shared_pool, c
         extra.kill()
 
 
+class FailsOnRankOne(Worker):
+    def __init__(self) -> None:
+        super().__init__()
+        if self.rank == 1:
+            raise ValueError("bad init on rank 1")
+
+
+def test_worker_constructor_error_is_raised_at_group_creation(ray_cluster):
+    pool = RayResourcePool([2], use_gpu=False, cpus_per_slot=0.1, timeout_s=60)
+    try:
+        with pytest.raises(ray.exceptions.RayActorError, match="bad init on rank 1"):
+            RayWorkerGroup(pool, RayClassWithInitArgs(FailsOnRankOne), name_prefix="fails_on_rank_one")
+        time.sleep(1)  # ray.kill is asynchronous
+        alive = [a for a in ray.util.list_named_actors(all_namespaces=True) if "fails_on_rank_one" in str(a)]
+        assert alive == []
+    finally:
+        pool.remove()
+
+
 def test_unschedulable_pool_fails_within_timeout_naming_missing_resources(ray_cluster):
     gpus = int(ray_cluster.cluster_resources()["GPU"])
     pool = RayResourcePool([gpus + 1], use_gpu=True, cpus_per_slot=0.1, timeout_s=2)
