@@ -10,6 +10,9 @@ user calling `ray.get`; how depends on the later call (see `dispatch.plan_call`)
 * ALL_TO_ALL from a future holding one result per rank: rank i receives the ref of result i;
 * anything else (re-chunking to another DP size, different padding): the driver resolves the future and splits
   its value like plain data — one round trip through the driver.
+
+Forwarding waits only for the collected ranks' results; an error raised on another rank (say a TP rank that is
+not collected) surfaces when `get()` is called on the future, not in the later call.
 """
 
 from __future__ import annotations
