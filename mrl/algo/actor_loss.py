@@ -5,8 +5,9 @@
 with ℓ_pg from `actor.policy_loss.loss_mode`, w the rollout-correction IS weights (1 when absent), H the per-token
 entropy, k the `kl_loss_type` estimator, and every agg the same `loss_agg_mode` over the same step-global
 `LossNormalizer` — so the returned value is this micro-batch's share and the engine sums shares (see
-`mrl.algo.aggregation`). Reported pg_loss / entropy / kl_loss are shares too: summed over the step they give the
-step's values. Ratio metrics (clip fractions, ppo_kl) are this micro-batch's token means.
+`mrl.algo.aggregation`). Metrics are this micro-batch's own values (pg_loss / entropy / kl_loss aggregated with
+the micro-batch's own denominators, clip fractions and ppo_kl as its token means), so the engine's mean over
+micro-batches reports them at the scale of the step.
 """
 
 from dataclasses import dataclass, field
@@ -51,18 +52,21 @@ def actor_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """This micro-batch's share of the actor loss (formula in the module docstring) and its metrics."""
 
-    def agg(loss_mat: Tensor) -> Tensor:
-        return agg_loss(loss_mat, response_mask, config.loss_agg_mode, normalizer, config.loss_scale_factor)
+    def agg(loss_mat: Tensor, scope: LossNormalizer | None = normalizer) -> Tensor:
+        return agg_loss(loss_mat, response_mask, config.loss_agg_mode, scope, config.loss_scale_factor)
+
+    def local(loss_mat: Tensor) -> Tensor:
+        return agg(loss_mat.detach(), None)
 
     pg = compute_policy_loss(log_prob, old_log_prob, advantages, response_mask, config.policy_loss)
     pg_mat = pg.loss_mat if rollout_is_weights is None else pg.loss_mat * rollout_is_weights.detach()
     pg_loss = agg(pg_mat)
     total = pg_loss
     metrics = {f"actor/{k}": v for k, v in pg.metrics.items()}
-    metrics["actor/pg_loss"] = pg_loss.detach()
+    metrics["actor/pg_loss"] = local(pg_mat)
     if entropy is not None:
         entropy_share = agg(entropy)
-        metrics["actor/entropy"] = entropy_share.detach()
+        metrics["actor/entropy"] = local(entropy)
         if config.entropy_coeff != 0.0:
             total = total - config.entropy_coeff * entropy_share
     if config.use_kl_loss:
@@ -72,7 +76,7 @@ def actor_loss(
         valid = response_mask.bool()
         kl_mat = kl_penalty(log_prob.where(valid, 0.0), ref_log_prob.where(valid, 0.0), config.kl_loss_type)
         kl_share = agg(kl_mat)
-        metrics["actor/kl_loss"] = kl_share.detach()
+        metrics["actor/kl_loss"] = local(kl_mat)
         metrics["actor/kl_coef"] = kl_share.new_tensor(config.kl_loss_coef)
         total = total + config.kl_loss_coef * kl_share
     return total, metrics

@@ -64,7 +64,7 @@ ADV_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator (al
 
 
 def group_ids(index: GroupIndex, device: torch.device | None = None) -> tuple[Tensor, int]:
-    """Map arbitrary per-sample group keys (uid strings, ints, a tensor) to dense ids 0..G−1, first-seen order."""
+    """Map per-sample group keys (uid strings or ints in a list/array, or a tensor) to dense ids 0..G−1."""
     if isinstance(index, Tensor):
         _, inverse = torch.unique(index, return_inverse=True)
         return inverse.to(device=device, dtype=torch.long), int(inverse.max().item()) + 1 if inverse.numel() else 0

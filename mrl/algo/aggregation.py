@@ -20,8 +20,10 @@ Every mode is a sum of per-sequence terms divided by a step-global denominator. 
    `calculate_per_token_loss`; DDP averages gradients over DP ranks) must multiply by that count to undo it.
 
 A sequence must not be split between micro-batches in `seq-mean-token-mean` (its own token count is local);
-THD packing keeps sequences whole. Without a normalizer the denominators come from the given batch, i.e. the
-single-process full-batch loss.
+THD packing keeps sequences whole. TP ranks hold the same tokens, so they count once (all-reduce over DP, not TP).
+Context parallelism splits every sequence across CP ranks: N_tok is then summed over DP × CP, N_seq over DP
+only, and seq-mean-token-mean would need each sequence's whole token count, which this function does not take.
+Without a normalizer the denominators come from the given batch, i.e. the single-process full-batch loss.
 """
 
 from dataclasses import dataclass

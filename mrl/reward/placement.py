@@ -9,11 +9,9 @@ def place_on_last_token(scores: Tensor, response_mask: Tensor) -> Tensor:
     token, so tool/observation tokens after it never carry the reward), 0 everywhere else. A row with no model
     token gets no reward: under the mask there is nowhere to put it, and masked rewards are ignored downstream."""
     mask = response_mask.bool()
+    dtype = scores.dtype if scores.is_floating_point() else torch.float32
+    values = scores.to(device=mask.device, dtype=dtype)  # scores often come from CPU reward workers
     positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
-    last = torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=-1).values
-    rewards = torch.zeros(
-        mask.shape, dtype=scores.dtype if scores.is_floating_point() else torch.float32, device=scores.device
-    )
-    rows = torch.nonzero(last >= 0).squeeze(-1)
-    rewards[rows, last[rows]] = scores[rows].to(rewards.dtype)
-    return rewards
+    last = torch.where(mask, positions, -1).max(dim=-1).values
+    hit = positions == last.unsqueeze(-1)  # never true on a row without model tokens (last = −1)
+    return torch.where(hit, values.unsqueeze(-1), torch.zeros((), dtype=dtype, device=mask.device))

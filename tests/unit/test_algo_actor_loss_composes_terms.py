@@ -71,6 +71,20 @@ def test_micro_batch_shares_of_the_actor_loss_sum_to_the_step_loss():
     torch.testing.assert_close(halves[0] + halves[1], full)
 
 
+def test_metrics_are_the_micro_batch_own_values_not_shares():
+    log_prob, old, ref, entropy, advantages, _, mask = _batch()
+    config = ActorLossConfig(use_kl_loss=True)
+    step = LossNormalizer.from_mask(mask)  # a step 10x larger than this micro-batch would shrink shares, not metrics
+    step = LossNormalizer(step.num_tokens * 10, step.num_seqs * 10)
+    total, metrics = actor_loss(log_prob, old, advantages, mask, step, config, entropy=entropy, ref_log_prob=ref)
+    _, alone = actor_loss(log_prob, old, advantages, mask, None, config, entropy=entropy, ref_log_prob=ref)
+    for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss"):
+        torch.testing.assert_close(metrics[key], alone[key])
+    pg = agg_loss(compute_policy_loss(log_prob, old, advantages, mask, config.policy_loss).loss_mat, mask)
+    kl = agg_loss(kl_penalty(log_prob, ref, "low_var_kl"), mask)
+    torch.testing.assert_close(total, (pg + 0.001 * kl) / 10)
+
+
 def test_kl_loss_without_reference_log_probs_is_a_config_error():
     log_prob, old, _, _, advantages, _, mask = _batch()
     with pytest.raises(ValueError, match="use_kl_loss"):
