@@ -16,7 +16,7 @@ collect step. Rules per dispatch mode:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mrl.controller import splitting
@@ -32,6 +32,10 @@ class CallPlan:
     kwargs: list[dict[str, Any]]
     keep: list[bool]  # whether rank ranks[i] must return its result (False: return None)
     collect: CollectPlan
+    # Handles every called rank waits for before running: the uncollected ranks of forwarded futures. They hold
+    # None (uncollected ranks drop their results), so waiting is cheap, and an error there fails this call
+    # instead of vanishing with a future nobody calls get() on.
+    after: list[Any] = field(default_factory=list)
 
 
 def plan_call(
@@ -50,15 +54,23 @@ def plan_call(
     if spec.dispatch_mode is Dispatch.ALL_TO_ALL:
         return _plan_all_to_all(method, world_size, args, kwargs)
     ranks = [0] if spec.execute_mode is Execute.RANK_ZERO else list(range(world_size))
-    args = tuple(_gather_future(a) for a in args)
-    kwargs = {k: _gather_future(v) for k, v in kwargs.items()}
+    after: list[Any] = []
+    args = tuple(_gather_future(a, after) for a in args)
+    kwargs = {k: _gather_future(v, after) for k, v in kwargs.items()}
     how = "single" if spec.execute_mode is Execute.RANK_ZERO else "list"
     n = len(ranks)
-    return CallPlan(ranks, [args] * n, [kwargs] * n, [True] * n, CollectPlan(tuple(range(n)), how))
+    return CallPlan(ranks, [args] * n, [kwargs] * n, [True] * n, CollectPlan(tuple(range(n)), how), after)
 
 
-def _gather_future(value: Any) -> Any:
-    return Gather.of(value) if isinstance(value, GroupFuture) else value
+def _uncollected(future: GroupFuture) -> list[Any]:
+    return [h for i, h in enumerate(future.handles) if i not in future.collect.indices]
+
+
+def _gather_future(value: Any, after: list[Any]) -> Any:
+    if not isinstance(value, GroupFuture):
+        return value
+    after.extend(_uncollected(value))
+    return Gather.of(value)
 
 
 def _plan_all_to_all(method: str, world_size: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallPlan:
@@ -122,12 +134,14 @@ def _plan_split(
     # A future is forwarded chunk-wise when its chunks line up with this call's: same count, same padding, and
     # padding only where this method accepts it. Otherwise the driver resolves it (see future.py).
     chunks: dict[str, list[Any]] = {}
+    after: list[Any] = []
     for name, v in values.items():
         if not isinstance(v, GroupFuture):
             continue
         p = v.collect.pad_count
         if v.collect.how == "concat" and len(v.collect.indices) == n and (p == 0 or spec.pad) and pad in (None, p):
             chunks[name], pad = v.parts, p
+            after.extend(_uncollected(v))
         else:
             values[name] = v.get()
 
@@ -154,4 +168,5 @@ def _plan_split(
         [dict(zip(kwargs, v[n_pos:])) for v in per_rank],
         [r in collect_set for r in ranks],
         CollectPlan(layout.collect_ranks, "concat", pad or 0),
+        after,
     )

@@ -11,6 +11,7 @@ from typing import Any
 
 import ray
 
+from mrl.controller.dispatch import CallPlan
 from mrl.controller.future import Gather
 from mrl.controller.resource_pool import RayResourcePool, node_ip, placement_options
 from mrl.controller.worker import DEFAULT_MASTER_ADDR, RayClassWithInitArgs
@@ -127,11 +128,9 @@ class RayWorkerGroup(WorkerGroup):
             raise KeyError(f"no role(s) {unknown} in this colocated group; roles: {sorted(roles)}")
         return {role: self._role_view(self, role, roles[role]) for role in prefix_set}
 
-    def _execute(
-        self, method: str, ranks: list[int], args: list[tuple[Any, ...]], kwargs: list[dict[str, Any]], keep: list[bool]
-    ) -> list[Any]:
+    def _execute(self, method: str, plan: CallPlan) -> list[Any]:
         # Objects sent to several ranks go to the object store once instead of once per task.
-        counts = Counter(id(v) for a, k in zip(args, kwargs) for v in (*a, *k.values()) if _shareable(v))
+        counts = Counter(id(v) for a, k in zip(plan.args, plan.kwargs) for v in (*a, *k.values()) if _shareable(v))
         refs: dict[int, Any] = {}
 
         def ship(v: Any) -> Any:
@@ -141,9 +140,13 @@ class RayWorkerGroup(WorkerGroup):
                 refs[id(v)] = ray.put(v)
             return refs[id(v)]
 
+        # plan.after go first as top-level arguments: Ray runs the task only once they are done (and fails it with
+        # their error); Worker._mrl_execute drops them before calling the method.
         return [
-            self._workers[r]._mrl_execute.remote(method, keep_r, *map(ship, a), **{n: ship(v) for n, v in k.items()})
-            for r, a, k, keep_r in zip(ranks, args, kwargs, keep)
+            self._workers[r]._mrl_execute.remote(
+                method, keep, len(plan.after), *plan.after, *map(ship, a), **{n: ship(v) for n, v in k.items()}
+            )
+            for r, a, k, keep in zip(plan.ranks, plan.args, plan.kwargs, plan.keep)
         ]
 
     def _resolve(self, handles: list[Any]) -> list[Any]:

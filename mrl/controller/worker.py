@@ -93,10 +93,13 @@ class Worker:
             raise ValueError(f"{type(self).__name__} holds no roles (asked for {role!r})")
         return self._meshes.get(name)
 
-    def _mrl_execute(self, _mrl_method_name: str, _mrl_keep_result: bool, *args: Any, **kwargs: Any) -> Any:
-        """Run one rank's share of a group call: resolve `Gather` arguments, call the method, and drop the
-        result when this rank is not collected (so duplicates from TP/PP ranks never travel back)."""
-        args = tuple(a.resolve() if isinstance(a, Gather) else a for a in args)
+    def _mrl_execute(
+        self, _mrl_method_name: str, _mrl_keep_result: bool, _mrl_n_after: int, *args: Any, **kwargs: Any
+    ) -> Any:
+        """Run one rank's share of a group call: skip the first _mrl_n_after arguments (results of earlier calls
+        this one had to wait for, see dispatch.CallPlan.after), resolve `Gather` arguments, call the method, and
+        drop the result when this rank is not collected (so duplicates from TP/PP ranks never travel back)."""
+        args = tuple(a.resolve() if isinstance(a, Gather) else a for a in args[_mrl_n_after:])
         kwargs = {k: v.resolve() if isinstance(v, Gather) else v for k, v in kwargs.items()}
         result = getattr(self, _mrl_method_name)(*args, **kwargs)
         return result if _mrl_keep_result else None

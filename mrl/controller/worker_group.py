@@ -11,10 +11,12 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from mrl.controller.decorator import NDCompute, RegisterSpec, get_register_spec
-from mrl.controller.dispatch import plan_call
+from mrl.controller.decorator import Dispatch, Execute, NDCompute, RegisterSpec, get_register_spec
+from mrl.controller.dispatch import CallPlan, plan_call
 from mrl.controller.future import GroupFuture
 from mrl.controller.mesh import DispatchLayout
+
+_QUERY_ALL = RegisterSpec(Dispatch.ONE_TO_ALL, Execute.ALL, blocking=True, pad=False)
 
 
 def registered_methods(cls: type) -> dict[str, tuple[Callable[..., Any], RegisterSpec]]:
@@ -41,10 +43,9 @@ class WorkerGroup:
 
     # --- transport ---
 
-    def _execute(
-        self, method: str, ranks: list[int], args: list[tuple[Any, ...]], kwargs: list[dict[str, Any]], keep: list[bool]
-    ) -> list[Any]:
-        """Start method on each rank in ranks (call i with args[i], kwargs[i]); return one handle per call."""
+    def _execute(self, method: str, plan: CallPlan) -> list[Any]:
+        """Start method on each rank of plan.ranks (call i with plan.args[i], plan.kwargs[i], after plan.after
+        are done, returning its result only if plan.keep[i]); return one handle per call."""
         raise NotImplementedError
 
     def _resolve(self, handles: list[Any]) -> list[Any]:
@@ -72,7 +73,7 @@ class WorkerGroup:
         """Split → execute on the workers → collect (or a GroupFuture when the spec is non-blocking)."""
         layout = self._layout(spec)
         plan = plan_call(worker_method, spec, self._world_size, args, kwargs, layout)
-        handles = self._execute(worker_method, plan.ranks, plan.args, plan.kwargs, plan.keep)
+        handles = self._execute(worker_method, plan)
         future = GroupFuture(handles, plan.collect, self._resolve)
         return future.get() if spec.blocking else future
 
@@ -88,9 +89,6 @@ class WorkerGroup:
         """The layout of the named mesh, asked from every worker on first use and cached: meshes are fixed once
         registered (a rank's place in TP/PP/DP does not change during a run)."""
         if mesh_name not in self._layouts:
-            ranks = list(range(self._world_size))
-            handles = self._execute(
-                "_mrl_mesh_info", ranks, [(mesh_name, self._role)] * len(ranks), [{}] * len(ranks), [True] * len(ranks)
-            )
-            self._layouts[mesh_name] = DispatchLayout.from_meshes(mesh_name, self._resolve(handles))
+            meshes = self.call("_mrl_mesh_info", _QUERY_ALL, mesh_name, self._role)
+            self._layouts[mesh_name] = DispatchLayout.from_meshes(mesh_name, meshes)
         return self._layouts[mesh_name]

@@ -89,7 +89,9 @@ class RankWorker(Worker):
         return [(m["dp"], m["tp"], r) for r in rows]
 
     @register(nd_compute("dp_pp"), blocking=False)
-    def on_dp_pp(self, rows: list) -> list:
+    def on_dp_pp(self, rows: list, fail_rank: int = -1) -> list:
+        if self.rank == fail_rank:
+            raise RuntimeError(f"on_dp_pp failed on rank {self.rank}")
         self.received = rows
         m = self.mesh("dp_pp").coord
         return [(m["dp"], m["pp"], r) for r in rows]
@@ -229,3 +231,11 @@ def test_real_batch_follows_the_nd_mesh_and_training_calls_refuse_padding(group)
     assert group.last_received() == [["s0", "s1"], ["s0", "s1"], ["s2", "s3"], ["s2", "s3"]]
     with pytest.raises(ValueError, match="update_batch: batch size 5 is not divisible by the data-parallel size 2"):
         group.update_batch(jagged_batch(5))
+
+
+def test_error_on_an_uncollected_rank_fails_the_call_a_future_is_forwarded_to(group):
+    fut = group.on_dp_pp(["a", "b"], fail_rank=0)  # rank 0 = (pp 0, dp 0): not collected
+    with pytest.raises(RuntimeError, match="on_dp_pp failed on rank 0"):
+        group.on_dp_tp(fut)  # 2 DP chunks: forwarded chunk-wise, never fetched by the driver
+    with pytest.raises(RuntimeError, match="on_dp_pp failed on rank 0"):
+        fut.get()

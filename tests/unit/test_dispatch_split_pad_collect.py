@@ -216,6 +216,15 @@ def test_future_with_matching_chunks_is_forwarded_chunk_wise_without_resolving()
     assert not fut._done  # the driver never fetched its value
 
 
+def test_forwarded_future_makes_the_next_call_wait_for_its_uncollected_ranks():
+    # a DP2 x PP2 call: ranks 2, 3 (last stage) were collected, ranks 0, 1 returned None
+    fut = GroupFuture(["h0", "h1", "h2", "h3"], CollectPlan((2, 3), "concat"), identity_resolve)
+    p = plan_dp(2, fut)
+    assert [a[0] for a in p.args] == ["h2", "h3"] and p.after == ["h0", "h1"]
+    assert plan_call("m", spec(Dispatch.ONE_TO_ALL), 2, (fut,), {}).after == ["h0", "h1"]
+    assert plan_dp(2, [1, 2]).after == []
+
+
 def test_padded_future_is_forwarded_only_into_a_call_that_accepts_padding():
     fut = future_of([[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 0, 1]], pad=2)
     forwarded = plan_dp(4, fut, pad=True)
