@@ -11,8 +11,8 @@ user calling `ray.get`; how depends on the later call (see `dispatch.plan_call`)
 * anything else (re-chunking to another DP size, different padding): the driver resolves the future and splits
   its value like plain data — one round trip through the driver.
 
-Forwarding waits only for the collected ranks' results; an error raised on another rank (say a TP rank that is
-not collected) surfaces when `get()` is called on the future, not in the later call.
+The later call also waits for the future's uncollected ranks (they return None, so this costs no transfer):
+an error on any rank of the earlier call fails the later one rather than being lost.
 """
 
 from __future__ import annotations
