@@ -8,8 +8,9 @@ it starts running, not from submission, so a large batch does not time out in th
 A call that times out cannot be interrupted from outside: the evaluator then swaps in a fresh pool so the stuck
 worker does not hold a slot. With `executor="process"` the old pool's worker processes are also terminated (the
 only way to stop a hung call), and items that were running in that pool are retried once in the new one. With
-threads the stuck thread is abandoned (it ends when its call returns), so prefer processes for untrusted or
-possibly slow reward code, threads for the cheap rule functions (no start-up cost).
+threads the stuck thread is abandoned (it ends when its call returns, and interpreter exit waits for it), so
+prefer processes for untrusted or possibly slow reward code, threads for the cheap rule functions (no start-up
+cost).
 
 Off the training loop: `submit(items)` returns a `concurrent.futures.Future` evaluated on the evaluator's own
 event-loop thread; `await evaluate(items)` serves callers that already run a loop (agent loops).

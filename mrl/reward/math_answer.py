@@ -21,7 +21,8 @@ _TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
 _FRAC_BRACED = re.compile(r"\\frac\{([^{}]*)\}\{([^{}]*)\}")
 _FRAC_SHORT = re.compile(r"\\frac(\d)(\d)")
 _PAREN_NUMBER = re.compile(r"\((-?\d*\.?\d+)\)")
-_DECIMAL = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?"
+# Exponents stay below 1000: Fraction("1e99999999") would build a 100-million-digit integer from a model's output.
+_DECIMAL = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d{1,3})?"
 _RATIONAL = re.compile(rf"{_DECIMAL}(?:/{_DECIMAL})?")
 _DELETE = ("\\$", "$", "\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\%", "%", "^\\circ", "^{\\circ}", "°", "~")
 # Answers longer than this are not math answers; bounding them keeps the regexes cheap on pathological outputs.

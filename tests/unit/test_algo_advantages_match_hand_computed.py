@@ -3,6 +3,7 @@
 import math
 import statistics
 
+import numpy as np
 import pytest
 import torch
 
@@ -36,6 +37,20 @@ def test_dr_grpo_only_subtracts_the_group_mean():
     config = AdvantageConfig(norm_adv_by_std_in_grpo=False)
     adv, _ = compute_advantage("grpo", rewards, mask, index=torch.tensor([7, 7, 7, 9]), config=config)
     torch.testing.assert_close(adv[:, 0], torch.tensor([-4 / 3, -1 / 3, 5 / 3, 0.5], dtype=torch.float64))
+
+
+def test_group_index_forms_agree():
+    """uids arrive as strings, as a numpy object array (the Batch's non-tensor field) or as an integer tensor."""
+    rewards, mask = _outcome_batch([1.0, 2.0, 4.0, 0.5, 3.0], [2, 1, 4, 3, 2])
+    forms = [
+        ["p1", "p1", "p2", "p2", "p3"],
+        np.array(["p1", "p1", "p2", "p2", "p3"], dtype=object),
+        torch.tensor([5, 5, 2, 2, 9]),
+    ]
+    results = [compute_advantage("grpo", rewards, mask, index=form).advantages for form in forms]
+    for result in results[1:]:
+        torch.testing.assert_close(result, results[0])
+    assert results[0][4, 0].item() == pytest.approx(3.0 / (1 + EPS))  # lone sample
 
 
 def test_rloo_baseline_is_the_mean_of_the_other_samples():
