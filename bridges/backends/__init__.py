@@ -1,0 +1,1 @@
+"""Alternative bridge backends behind the same interface as `bridges.bridge.Bridge`."""
