@@ -74,6 +74,9 @@ class ReplicaSpec:
     dtype: str = "float32"
     seed: int = 0
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Extra environment of the server process. Ray sets OMP_NUM_THREADS to the actor's CPU share (1 here), which
+    # caps a CPU engine's compute threads; set it to the device slot's cores where the engine should use them.
+    env: dict[str, str] = field(default_factory=dict)
 
     def adapter_kwargs(self) -> dict[str, Any]:
         engine_kwargs = dict(self.engine_kwargs)
@@ -152,7 +155,7 @@ class RolloutReplica:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=bundle, placement_group_capture_child_tasks=True
                 ),
-                runtime_env={"env_vars": dict(SERVER_ENV)},
+                runtime_env={"env_vars": {**SERVER_ENV, **self.spec.env}},
             )
             .remote(self.spec.backend, self.spec.model_path, self.spec.adapter_kwargs())
         )

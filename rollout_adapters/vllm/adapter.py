@@ -119,8 +119,12 @@ class VLLMAdapter(RolloutAdapter):
     async def _load_weights(self, buckets: AsyncIterator[bytes]) -> int:
         await self.engine.collective_rpc("mrl_begin_weight_update")
         count = 0
-        async for blob in buckets:
-            loaded = await self.engine.collective_rpc("mrl_load_weight_bucket", args=(blob,))
+        async for bucket in buckets:
+            # bytes: a safetensors bucket; (handle, meta): a CUDA IPC bucket on the workers' device (GPU only).
+            if isinstance(bucket, tuple):
+                loaded = await self.engine.collective_rpc("mrl_load_weight_bucket_ipc", args=bucket)
+            else:
+                loaded = await self.engine.collective_rpc("mrl_load_weight_bucket", args=(bucket,))
             count += loaded[0]  # one result per worker; every TP/PP rank loads the full bucket
         await self.engine.collective_rpc("mrl_finish_weight_update")
         return count

@@ -13,12 +13,12 @@ This module is imported inside vLLM's spawned worker processes, so it must stay 
 
 from __future__ import annotations
 
-import pickle
 from typing import Any
 
 import torch
 
 from rollout_adapters.buckets import unpack_bucket
+from rollout_adapters.cuda_ipc import unpack_ipc_bucket
 
 
 class WeightReceiverExtension:
@@ -36,19 +36,10 @@ class WeightReceiverExtension:
         return len(named)
 
     def mrl_load_weight_bucket_ipc(self, handle: bytes, meta: list[tuple[str, str, list[int], int]]) -> int:
-        """Load one bucket shared by CUDA IPC: `handle` pickles torch's (rebuild_fn, args) for a flat uint8 tensor
-        on the trainer's device, `meta` lists (name, dtype, shape, byte offset). GPU only; not run on CPU CI."""
-        rebuild, args = pickle.loads(handle)
-        args = list(args)
-        args[6] = torch.cuda.current_device()  # the sender's device index means nothing in this process
-        flat = rebuild(*args)
-        named = []
-        for name, dtype, shape, offset in meta:
-            dt = getattr(torch, dtype)
-            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
-            named.append((name, flat[offset : offset + nbytes].view(dt).view(shape)))
+        """Load one bucket shared by CUDA IPC (see rollout_adapters/cuda_ipc.py). GPU only: not run on CPU CI."""
+        named = unpack_ipc_bucket(handle, meta)
         self.model_runner.get_model().load_weights(weights=named)
-        torch.cuda.synchronize()
+        torch.cuda.synchronize()  # the sender may reuse its buffer once this call returns
         return len(named)
 
     def mrl_finish_weight_update(self) -> None:
