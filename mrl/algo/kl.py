@@ -19,9 +19,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from mrl.algo.masked import masked_mean
+from mrl.algo.masked import LOG_RATIO_CLAMP, masked_mean
 
-_LOG_RATIO_CLAMP = 20.0
 _LOW_VAR_KL_MAX = 10.0
 
 
@@ -38,7 +37,7 @@ def _k3(delta: Tensor) -> Tensor:
 
 
 def _low_var_kl(delta: Tensor) -> Tensor:
-    return _k3(delta.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)).clamp(max=_LOW_VAR_KL_MAX)
+    return _k3(delta.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).clamp(max=_LOW_VAR_KL_MAX)
 
 
 _ESTIMATORS = {
@@ -63,7 +62,7 @@ def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kl_type: str = "low_var_k
     delta = log_prob - ref_log_prob
     value = _ESTIMATORS[base](delta)
     if straight_through:
-        grad_carrier = _k2(delta.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+        grad_carrier = _k2(delta.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         value = grad_carrier - grad_carrier.detach() + value.detach()
     return value
 

@@ -7,6 +7,10 @@ Padded positions may hold anything (including inf/nan from a padded log-prob), s
 import torch
 from torch import Tensor
 
+# Log-ratios are clamped to ±LOG_RATIO_CLAMP before exp(): e^20 ≈ 5e8 is finite in fp32 and bf16, and a token
+# that far off-policy carries no useful gradient through its ratio anyway.
+LOG_RATIO_CLAMP = 20.0
+
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Σ x over entries where mask is true (over `dim`, or over everything when dim is None)."""

@@ -15,10 +15,9 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-from mrl.algo.masked import masked_count, masked_mean, masked_sum
+from mrl.algo.masked import LOG_RATIO_CLAMP, masked_count, masked_mean, masked_sum
 from mrl.algo.registry import Registry
 
-_LOG_RATIO_CLAMP = 20.0
 # GSPO's sequence ratio is an average, so a smaller cap suffices and keeps exp() far from overflow in bf16.
 _GSPO_LOG_RATIO_MAX = 10.0
 
@@ -101,7 +100,7 @@ def ppo_clip_loss(
     clip binds), ppo_kl.
     """
     log_prob, old_log_prob, advantages = _valid_only(response_mask, log_prob, old_log_prob, advantages)
-    log_ratio = (log_prob - old_log_prob).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - config.eps_low, 1.0 + config.eps_high)
@@ -135,7 +134,7 @@ def gspo_loss(
     """
     log_prob, old_log_prob, advantages = _valid_only(response_mask, log_prob, old_log_prob, advantages)
     mask = response_mask.bool()
-    token_log_ratio = _zero_outside(log_prob - old_log_prob, mask).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    token_log_ratio = _zero_outside(log_prob - old_log_prob, mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     seq_log_ratio = masked_sum(token_log_ratio, mask, dim=-1) / masked_count(mask, dim=-1).clamp_min(1.0)
     log_s = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
     s = torch.exp(log_s.clamp(max=_GSPO_LOG_RATIO_MAX))
@@ -166,7 +165,7 @@ def cispo_loss(
     pg_clipfrac counts tokens whose weight was clipped.
     """
     log_prob, old_log_prob, advantages = _valid_only(response_mask, log_prob, old_log_prob, advantages)
-    log_ratio = (log_prob - old_log_prob).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio.detach())
     weight = ratio.clamp(1.0 - config.eps_low, 1.0 + config.eps_high)
     loss = -weight * advantages * log_prob

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from mrl.algo.masked import masked_count, masked_mean, masked_sum
+from mrl.algo.masked import LOG_RATIO_CLAMP, masked_count, masked_mean, masked_sum
 from mrl.algo.policy_loss import PolicyLossConfig, PolicyLossOutput, compute_policy_loss
 
 IS_LEVELS = ("token", "sequence")
@@ -131,9 +131,9 @@ def mismatch_metrics(old_log_prob: Tensor, rollout_log_prob: Tensor, response_ma
     delta = _log_ratio(old_log_prob, rollout_log_prob, mask)
     abs_delta = delta.abs()
     return {
-        "logprob_mismatch": float(masked_mean(torch.exp(abs_delta.clamp(max=20.0)), mask)),
+        "logprob_mismatch": float(masked_mean(torch.exp(abs_delta.clamp(max=LOG_RATIO_CLAMP)), mask)),
         "logprob_abs_diff_max": float(abs_delta.max()) if mask.any() else 0.0,
-        "mismatch_kl": float(masked_mean(torch.expm1(delta.clamp(max=20.0)) - delta, mask)),
+        "mismatch_kl": float(masked_mean(torch.expm1(delta.clamp(max=LOG_RATIO_CLAMP)) - delta, mask)),
     }
 
 
@@ -207,7 +207,7 @@ def decoupled_ppo_loss(
     mask = response_mask.bool()
     if behav_imp_weight_cap is not None:
         mask = rollout_rejection_mask(proximal_log_prob, behaviour_log_prob, mask, "token", None, behav_imp_weight_cap)
-    log_w = _log_ratio(proximal_log_prob, behaviour_log_prob, mask).clamp(max=20.0)
+    log_w = _log_ratio(proximal_log_prob, behaviour_log_prob, mask).clamp(max=LOG_RATIO_CLAMP)
     weights = torch.where(mask, torch.exp(log_w), torch.zeros_like(log_w))
     inner = compute_policy_loss(log_prob, proximal_log_prob, advantages, response_mask, config or PolicyLossConfig())
     metrics = dict(inner.metrics)
