@@ -92,9 +92,10 @@ class RayWorkerGroup(WorkerGroup):
                 ray.kill(w)
             if not isinstance(err, ray.exceptions.GetTimeoutError):
                 raise
+            share = {k: round(v, 4) for k, v in pool.worker_resources().items()}
             raise WorkerGroupStartTimeout(
                 f"workers of group {self.name_prefix!r} did not start within {timeout:g} s ({err}): each asks "
-                f"{pool.worker_resources()} of a slot {pool.bundle} in pool {pool.name_prefix!r}, which admits "
+                f"{share} of a slot {pool.bundle} in pool {pool.name_prefix!r}, which admits "
                 f"max_colocate_count={pool.max_colocate_count} workers per slot"
             ) from None
         return workers
