@@ -129,11 +129,13 @@ def mismatch_metrics(old_log_prob: Tensor, rollout_log_prob: Tensor, response_ma
     mismatch_kl = mean k3 estimate of KL(π_rollout ‖ π_old) = mean (e^{Δ} − 1 − Δ) (tokens come from π_rollout)."""
     mask = response_mask.bool()
     delta = _log_ratio(old_log_prob, rollout_log_prob, mask)
-    abs_delta = delta.abs()
+    # An engine may report −inf for a sampled token (e.g. processed log-probs under top-p); clamping keeps the
+    # averages finite while the max still shows the outlier.
+    bounded = delta.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return {
-        "logprob_mismatch": float(masked_mean(torch.exp(abs_delta.clamp(max=LOG_RATIO_CLAMP)), mask)),
-        "logprob_abs_diff_max": float(abs_delta.max()) if mask.any() else 0.0,
-        "mismatch_kl": float(masked_mean(torch.expm1(delta.clamp(max=LOG_RATIO_CLAMP)) - delta, mask)),
+        "logprob_mismatch": float(masked_mean(torch.exp(bounded.abs()), mask)),
+        "logprob_abs_diff_max": float(delta.abs().max()) if mask.any() else 0.0,
+        "mismatch_kl": float(masked_mean(torch.expm1(bounded) - bounded, mask)),
     }
 
 

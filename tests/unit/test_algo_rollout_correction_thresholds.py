@@ -55,6 +55,11 @@ def test_mismatch_metrics():
     assert metrics["logprob_abs_diff_max"] == pytest.approx(math.log(4))
     k3 = [r - 1 - math.log(r) for r in (3.0, 0.5, 1.5, 0.25, 1.2)]
     assert metrics["mismatch_kl"] == pytest.approx(sum(k3) / 5)
+    with_inf = rollout.clone()
+    with_inf[0, 0] = float("-inf")  # an engine's −inf for a sampled token: averages stay finite, the max shows it
+    outlier = mismatch_metrics(old, with_inf, MASK)
+    assert math.isfinite(outlier["logprob_mismatch"]) and math.isfinite(outlier["mismatch_kl"])
+    assert outlier["logprob_abs_diff_max"] == math.inf
     same = mismatch_metrics(rollout, rollout, MASK)
     assert same["logprob_mismatch"] == 1.0 and same["mismatch_kl"] == 0.0
 
