@@ -85,3 +85,9 @@ def test_next_token_shift_aligns_log_prob_of_token_t_with_position_t_minus_1():
     valid[:, 0] = False
     assert torch.equal(padded[valid], ids[valid])
     assert padded[:, 0].eq(0).all()
+
+
+def test_count_split_rounds_group_count_up_for_interleaved_pipelines():
+    groups = split_by_count([1] * 5, 2, multiple_of=2)
+    assert len(groups) == 4 and sorted(i for g in groups for i in g) == list(range(5))
+    assert max(len(g) for g in groups) <= 2

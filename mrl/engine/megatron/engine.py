@@ -183,7 +183,7 @@ class MegatronEngine(BaseEngine):
                 groups = split_by_tokens(lengths, self.max_tokens, min_micro_batches=-(-len(groups) // pp) * pp)
         else:
             assert self.micro_batch_size is not None
-            groups = split_by_count(lengths, self.micro_batch_size)
+            groups = split_by_count(lengths, self.micro_batch_size, multiple_of=pp if vpp and vpp > 1 else 1)
         multiple = self.layout.tp if self.tf_config.sequence_parallel else 1
         mbs = [pack(batch, g, pad_to_multiple=multiple) for g in groups]
         if pp > 1:

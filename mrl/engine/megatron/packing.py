@@ -11,6 +11,8 @@ and zeroes each sample's first position (nothing predicts it), giving token-alig
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -66,10 +68,18 @@ class JaggedBatch:
         )
 
 
-def split_by_count(lengths: Sequence[int], micro_batch_size: int) -> list[list[int]]:
-    """Consecutive groups of `micro_batch_size` samples (the last may be smaller)."""
+def split_by_count(lengths: Sequence[int], micro_batch_size: int, multiple_of: int = 1) -> list[list[int]]:
+    """Consecutive groups of at most `micro_batch_size` samples; their number is rounded up to a multiple of
+    `multiple_of` (the interleaved pipeline schedule runs micro-batches in groups of PP), sizes kept even."""
     n = len(lengths)
-    return [list(range(i, min(i + micro_batch_size, n))) for i in range(0, n, micro_batch_size)]
+    needed = math.ceil(n / micro_batch_size)
+    if needed % multiple_of == 0:
+        return [list(range(i, min(i + micro_batch_size, n))) for i in range(0, n, micro_batch_size)]
+    groups = math.ceil(needed / multiple_of) * multiple_of
+    if groups > n:
+        raise ValueError(f"cannot form {groups} micro-batches (a multiple of {multiple_of}) from {n} samples")
+    bounds = [round(i * n / groups) for i in range(groups + 1)]
+    return [list(range(a, b)) for a, b in itertools.pairwise(bounds)]
 
 
 def split_by_tokens(lengths: Sequence[int], max_tokens: int, min_micro_batches: int = 1) -> list[list[int]]:
