@@ -67,14 +67,17 @@ class Worker:
     def master_addr_port(self) -> tuple[str, int]:
         return self._master_addr, self._master_port
 
-    def register_mesh(self, name: str, dims: Mapping[str, int], coords: Mapping[str, int] | None = None) -> DeviceMesh:
-        """Declare this rank's place in the named device mesh (dims ordered slowest → fastest, see mesh.py).
+    def register_mesh(
+        self, name: str, dims: Mapping[str, int] | DeviceMesh, coords: Mapping[str, int] | None = None
+    ) -> DeviceMesh:
+        """Declare this rank's place in the named device mesh (dims ordered slowest → fastest, see mesh.py), or
+        register a ready DeviceMesh (e.g. an engine's `mesh()`).
 
         Without coords they follow from the rank. The mesh must cover the whole group: prod(dims) == world size.
         """
-        mesh = DeviceMesh.create(dims, coords, rank=self._rank)
+        mesh = dims if isinstance(dims, DeviceMesh) else DeviceMesh.create(dims, coords, rank=self._rank)
         if mesh.size != self._world_size:
-            raise ValueError(f"mesh {name!r} {dict(dims)} has {mesh.size} ranks, the group has {self._world_size}")
+            raise ValueError(f"mesh {name!r} {mesh.sizes} has {mesh.size} ranks, the group has {self._world_size}")
         self._meshes[name] = mesh
         return mesh
 

@@ -26,6 +26,14 @@ SCRIPT = textwrap.dedent(
     mesh = w.register_mesh("train", {"pp": 2, "dp": 2})
     assert (w.rank, w.world_size, w.master_addr_port) == (3, 4, ("10.0.0.7", 29511)), (w.rank, w.master_addr_port)
     assert mesh.coord == {"pp": 1, "dp": 1} and mesh.is_collect and w.twice([1, 2]) == [2, 4]
+    engine_mesh = c.DeviceMesh.create({"dp": 2, "tp": 2}, coords={"dp": 1, "tp": 1})  # as an engine reports it
+    assert w.register_mesh("actor", engine_mesh) is engine_mesh and w.mesh("actor").dp_rank == 1
+    try:
+        w.register_mesh("small", {"dp": 2})
+    except ValueError as err:
+        assert "has 2 ranks, the group has 4" in str(err)
+    else:
+        raise AssertionError("a mesh smaller than the group was accepted")
     try:
         c.RayWorkerGroup
     except ImportError:
