@@ -8,6 +8,7 @@ drives `load_hf` (each rank reads only its slices), `export` (HF-named stream fr
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -197,7 +198,7 @@ class Bridge:
         out = Path(folder)
         if source is not None:
             copy_hf_metadata(source, out)
-        config = self.hf_config
+        config = copy.deepcopy(self.hf_config)
         if dtype is not None:
             config.dtype = dtype
         config.save_pretrained(str(out))

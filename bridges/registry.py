@@ -68,6 +68,11 @@ def bridge_for(hf_config: Any, *, backend: str = "mrl") -> Any:
         raise ValueError(f"bridge.backend must be 'mrl' or 'megatron_bridge', got {backend!r}")
     _load_families()
     arch = (getattr(hf_config, "architectures", None) or [None])[0]
+    if arch is None:
+        # A config built in memory names no architecture; transformers' causal-LM class of its model type does.
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(hf_config, "model_type", ""))
     if arch not in _BRIDGES:
         raise KeyError(f"no bridge for HF architecture {arch!r}; known: {sorted(_BRIDGES)}")
     return _BRIDGES[arch](hf_config)

@@ -7,8 +7,8 @@ and calls `fn(rank, world_size, *args)`; the launcher returns the per-rank resul
 
 from __future__ import annotations
 
+import io
 import os
-import pickle
 import queue
 import socket
 import time
@@ -16,6 +16,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -29,6 +30,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def _encode(value: Any) -> bytes:
+    # torch.save copies tensors into the message. The queue's own pickler would pass shared-memory handles that
+    # die with this process (it exits right after), and plain pickle would name megatron-core's replacement of
+    # torch.storage._load_from_bytes, making the parent import Megatron (~10 s) just to read a result.
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _decode(payload: bytes) -> Any:
+    return torch.load(io.BytesIO(payload), weights_only=False)
+
+
 def _child(
     fn: Callable[..., Any],
     rank: int,
@@ -40,14 +54,10 @@ def _child(
 ) -> None:
     os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    import torch
-
     # Many ranks share few cores; intra-op threads would oversubscribe them.
     torch.set_num_threads(threads)
     try:
-        # Plain pickle copies tensors into the message; the queue's own pickler would pass shared-memory
-        # handles that die with this process, which exits right after.
-        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
+        results.put((rank, True, _encode(fn(rank, world_size, *args))))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
 
@@ -102,7 +112,7 @@ def launch(
                     continue
             if not ok:
                 raise LaunchError(f"{fn.__name__} failed on rank {rank}/{world_size}:\n{value}")
-            out[rank] = pickle.loads(value)
+            out[rank] = _decode(value)
         for proc in procs:
             proc.join(timeout=max(deadline - time.monotonic(), 1.0))
         return [out[r] for r in range(world_size)]

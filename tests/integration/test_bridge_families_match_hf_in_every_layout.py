@@ -1,11 +1,12 @@
 """Bridges are exact, in every layout of a 2-process world (one launch; parallel state re-initialised per case).
 
 For each family (tiny random HF models, fp32): Megatron logits equal HF logits within 1e-5 at TP=1 (DP=2),
-TP=2, PP=2, and EP=2 (plus TP=2×EP=2 with expert-TP=1) for MoE families; a tied-embedding 4-layer Llama runs at
-PP=2×VPP=2. On every rank, export reproduces the HF safetensors bit for bit (same names, shapes, values, nothing
-missing or extra). `save_hf` from a sharded layout reloads in transformers with the same logits. The import
-never holds more than one layer's tensors at once, and sharded layouts read less than the whole checkpoint.
-A bridge whose table leaves a parameter unmapped cannot be registered.
+TP=2, PP=2, and EP=2 (plus TP=2×EP=2 with expert-TP=1) for MoE families; a tied-embedding 4-layer Llama runs
+at PP=2×VPP=2 and a Llama with Llama-3 RoPE scaling at TP=2. On every rank, export reproduces the HF
+safetensors bit for bit (same names, shapes, values, nothing missing or extra). `save_hf` from a sharded
+layout reloads in transformers with the same logits. The import never holds more than one layer's tensors at
+once, and sharded layouts read less than the whole checkpoint. A bridge whose table leaves a parameter
+unmapped cannot be registered.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ LAYOUTS: dict[str, dict[str, int]] = {
 }
 CASES = [(f, lay) for f in FAMILIES for lay in ("tp1", "tp2", "pp2")]
 CASES += [(f, lay) for f in MOE for lay in ("ep2", "tp2_ep2_etp1")]
-CASES += [("llama_tied4", "tp1"), ("llama_tied4", "pp2_vpp2")]
+CASES += [("llama_tied4", "tp1"), ("llama_tied4", "pp2_vpp2"), ("llama_rope3", "tp2")]
 # save_hf runs once per family, from its most sharded layout.
 SAVE_FROM = {
     "llama": "pp2",
@@ -187,6 +188,15 @@ def world2(tmp_path_factory) -> dict:
     folders["llama_tied4"] = str(
         make_tiny_hf_model("llama", root / "llama_tied4", num_hidden_layers=4, tie_word_embeddings=True)
     )
+    llama3_rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    folders["llama_rope3"] = str(make_tiny_hf_model("llama", root / "llama_rope3", rope_parameters=llama3_rope))
     save_root = root / "saved"
     per_rank = launch(_run_cases, WORLD, CASES, folders, str(save_root), timeout_s=900)
     reference = {}

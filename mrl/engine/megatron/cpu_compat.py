@@ -291,8 +291,16 @@ def _patch_p2p_tags() -> str:
     # silently wrong). Tag each direction: activations flow prev→next (tag 1), gradients next→prev (tag 2).
     import megatron.core.pipeline_parallel.p2p_communication as p2p
 
-    def batched(*, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next, group,
-                prev_pipeline_rank, next_pipeline_rank):
+    def batched(
+        *,
+        tensor_send_prev,
+        tensor_recv_prev,
+        tensor_send_next,
+        tensor_recv_next,
+        group,
+        prev_pipeline_rank,
+        next_pipeline_rank,
+    ):
         ops = [
             dist.P2POp(op, tensor, peer, group, tag)
             for op, tensor, peer, tag in (

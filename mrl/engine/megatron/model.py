@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -113,11 +114,13 @@ def build_model(
     model_kwargs: dict[str, Any],
     *,
     use_te: bool | None = None,
+    spec: Callable[[Any, int | None], Any] | None = None,
 ) -> list[torch.nn.Module]:
     """GPTModel chunks of this rank: one per virtual stage (a single chunk without VPP), on the current device.
 
     Each chunk gets pre/post-processing (embedding, final norm and output layer) only where it is the
-    first/last stage of the whole pipeline.
+    first/last stage of the whole pipeline. `spec(config, vp_stage)` replaces `layer_spec` (e.g. a spec with a
+    different core-attention module).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -131,7 +134,9 @@ def build_model(
     for vp_stage in stages:
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(config, use_te=use_te, vp_stage=vp_stage),
+            transformer_layer_spec=(
+                spec(config, vp_stage) if spec is not None else layer_spec(config, use_te=use_te, vp_stage=vp_stage)
+            ),
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             vp_stage=vp_stage,
