@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent(
     engine_mesh = c.DeviceMesh.create({"dp": 2, "tp": 2}, coords={"dp": 1, "tp": 1})  # as an engine reports it
     assert w.register_mesh("actor", engine_mesh) is engine_mesh and w.mesh("actor").dp_rank == 1
     try:
-        w.register_mesh("small", {"dp": 2})
+        w.register_mesh("small", {"dp": 2}, coords={"dp": 1})
     except ValueError as err:
         assert "has 2 ranks, the group has 4" in str(err)
     else:
