@@ -231,3 +231,19 @@ def check_all(results: list[dict], reference: dict, names: list[str]) -> None:
             except AssertionError as e:
                 failures.append(str(e))
     assert not failures, "\n\n".join(failures)
+
+
+def test_world4_layouts_match_single_process(models, reference):
+    d, m = models["dense"], models["moe"]
+    cases = [
+        ("tp2_pp2", d, {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, DYNAMIC, {}),
+        (
+            "tp2_ep2",
+            m,
+            {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2, "sequence_parallel": True},
+            DYNAMIC,
+            MOE_OVERRIDES,
+        ),
+    ]
+    results = launch(run_many, 4, cases, timeout_s=900)
+    check_all(results, reference, [c[0] for c in cases])
