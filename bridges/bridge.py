@@ -161,6 +161,13 @@ class Bridge:
 
         return export_stream(self, chunks, dtype=dtype)
 
+    def export_plan(self, chunks: Sequence[torch.nn.Module], *, dtype: torch.dtype | None = None) -> Any:
+        """The export plan (collective the first time, then cached): every unit's HF names, shapes and bytes,
+        known before any tensor moves, e.g. to size receive buffers on a rollout replica."""
+        from bridges.export import plan_for
+
+        return plan_for(self, chunks, dtype)
+
     def export_buckets(
         self,
         chunks: Sequence[torch.nn.Module],

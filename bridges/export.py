@@ -5,7 +5,8 @@ built once per (model, dtype) with one object all-gather over the pipeline group
 same plan so the collectives line up:
 1. the owning stage gathers the TP (expert-TP for experts) shards and merges them (`Mapping.merge`);
 2. for experts it all-gathers the same local expert index over EP (rank r holds experts r*local + j);
-3. with PP > 1 the owning stage broadcasts the merged tensors to the other stages.
+3. with PP > 1 the owning stage broadcasts the merged tensors to the other stages, one flat broadcast per
+   bucket and owning stage.
 So every rank yields the full stream: what a colocated rollout replica on each rank needs. A destination that
 needs only part (e.g. a standalone replica fed by one rank) filters the names; the collectives still run on
 all ranks.
@@ -40,6 +41,7 @@ class Unit:
     is_expert: bool
     local_expert: int | None
     hf_bytes: int  # bytes of all HF outputs (all EP ranks) at the export dtype
+    hf_names: tuple[str, ...] = ()  # the HF tensors it yields, in order
 
 
 @dataclass
@@ -73,6 +75,11 @@ def _describe(
     out_dtype = dtype or tensor.tensor.dtype
     nbytes = copies * torch.Size(shape).numel() * torch.empty((), dtype=out_dtype).element_size()
     name = with_expert(tensor.name, indices[-1]) if tensor.local_expert is not None else tensor.name
+    hf_names = tuple(
+        n
+        for r in range(copies)
+        for n in mapping.export_names((*indices[:-1], indices[-1] + r * local_experts) if copies > 1 else indices)
+    )
     return Unit(
         name,
         stage,
@@ -83,6 +90,7 @@ def _describe(
         tensor.is_expert,
         tensor.local_expert,
         nbytes,
+        hf_names,
     )
 
 
@@ -108,7 +116,7 @@ def build_plan(bridge: Bridge, chunks: Sequence[torch.nn.Module], dtype: torch.d
     return Plan(units, ep_size, local_experts, dtype, shape)
 
 
-def _plan(bridge: Bridge, chunks: Sequence[torch.nn.Module], dtype: torch.dtype | None) -> Plan:
+def plan_for(bridge: Bridge, chunks: Sequence[torch.nn.Module], dtype: torch.dtype | None) -> Plan:
     # Keyed by the chunk objects: a bridge serves one model; a rebuilt model gets a new plan.
     key = (tuple(id(c) for c in chunks), dtype)
     if key not in bridge._export_plans:
@@ -122,32 +130,62 @@ def _gather(tensor: torch.Tensor, group: dist.ProcessGroup, size: int) -> list[t
     return parts
 
 
-def _materialise(bridge: Bridge, unit: Unit, local: dict[str, LocalTensor], plan: Plan) -> list[torch.Tensor]:
-    """The unsharded Megatron tensor(s) of a unit on this rank: one, or one per EP rank for experts."""
+def _copies(unit: Unit, plan: Plan) -> int:
+    return plan.ep_size if unit.is_expert and unit.local_expert is not None else 1
+
+
+def _owned(bridge: Bridge, unit: Unit, local: dict[str, LocalTensor], plan: Plan) -> list[torch.Tensor]:
+    """On the owning stage: the unit's unsharded Megatron tensor(s), one per EP rank for experts (TP/EP gathers)."""
     from megatron.core import parallel_state as ps
 
     mapping = bridge.table[unit.mapping_index]
-    copies = plan.ep_size if unit.is_expert and unit.local_expert is not None else 1
-    pp_size = ps.get_pipeline_model_parallel_world_size()
-    if ps.get_pipeline_model_parallel_rank() == unit.stage:
-        own = unit.name
-        if unit.is_expert and unit.local_expert is not None:
-            own = with_expert(own, unit.indices[-1] + ps.get_expert_model_parallel_rank() * plan.local_experts)
-        tensor = local[own]
-        shard = bridge.shard_of(tensor)
-        full = tensor.tensor.detach()
-        if mapping.tp_dim is not None and shard.size > 1:
-            group = ps.get_expert_tensor_parallel_group() if tensor.is_expert else ps.get_tensor_model_parallel_group()
-            full = mapping.merge(_gather(full, group, shard.size), plan.shape)
-        fulls = _gather(full, ps.get_expert_model_parallel_group(), copies) if copies > 1 else [full]
-    else:
-        fulls = [torch.empty(unit.full_shape, dtype=unit.dtype, device=_device()) for _ in range(copies)]
-    if pp_size > 1:
-        group = ps.get_pipeline_model_parallel_group()
-        src = dist.get_global_rank(group, unit.stage)
-        for full in fulls:
-            dist.broadcast(full, src=src, group=group)
-    return fulls
+    own = unit.name
+    if unit.is_expert and unit.local_expert is not None:
+        own = with_expert(own, unit.indices[-1] + ps.get_expert_model_parallel_rank() * plan.local_experts)
+    tensor = local[own]
+    shard = bridge.shard_of(tensor)
+    full = tensor.tensor.detach()
+    if mapping.tp_dim is not None and shard.size > 1:
+        group = ps.get_expert_tensor_parallel_group() if tensor.is_expert else ps.get_tensor_model_parallel_group()
+        full = mapping.merge(_gather(full, group, shard.size), plan.shape)
+    copies = _copies(unit, plan)
+    return _gather(full, ps.get_expert_model_parallel_group(), copies) if copies > 1 else [full]
+
+
+def _materialise(
+    bridge: Bridge, units: Sequence[Unit], local: dict[str, LocalTensor], plan: Plan
+) -> list[list[torch.Tensor]]:
+    """The unsharded tensors of a bucket's units on every rank.
+
+    With PP > 1 the units of one owning stage (and dtype) travel as one flat broadcast per bucket, so a bucket
+    costs a few collectives instead of one per tensor.
+    """
+    from megatron.core import parallel_state as ps
+
+    stage = ps.get_pipeline_model_parallel_rank()
+    out: list[list[torch.Tensor] | None] = [
+        _owned(bridge, unit, local, plan) if unit.stage == stage else None for unit in units
+    ]
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return out  # type: ignore[return-value]
+    group = ps.get_pipeline_model_parallel_group()
+    owners: dict[tuple[int, torch.dtype], list[int]] = {}
+    for i, unit in enumerate(units):
+        owners.setdefault((unit.stage, unit.dtype), []).append(i)
+    for (owner, dtype), members in owners.items():
+        shapes = [unit.full_shape for i in members for unit in [units[i]] for _ in range(_copies(unit, plan))]
+        numels = [torch.Size(s).numel() for s in shapes]
+        if owner == stage:
+            owned = [t.reshape(-1) for i in members for t in out[i]]  # type: ignore[union-attr]
+            flat = owned[0] if len(owned) == 1 else torch.cat(owned)  # a lone tensor is sent without a copy
+        else:
+            flat = torch.empty(sum(numels), dtype=dtype, device=_device())
+        dist.broadcast(flat, src=dist.get_global_rank(group, owner), group=group)
+        if owner != stage:
+            pieces = iter(p.view(s) for p, s in zip(flat.split(numels), shapes))
+            for i in members:
+                out[i] = [next(pieces) for _ in range(_copies(units[i], plan))]
+    return out  # type: ignore[return-value]
 
 
 def _device() -> torch.device:
@@ -203,14 +241,15 @@ def bucket_bounds(plan: Plan, bucket_bytes: int | None) -> list[tuple[int, int]]
 def _walk(
     bridge: Bridge, chunks: Sequence[torch.nn.Module], bucket_bytes: int | None, dtype: torch.dtype | None
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    plan = _plan(bridge, chunks, dtype)
+    plan = plan_for(bridge, chunks, dtype)
     key = ("bounds", id(plan), bucket_bytes)
     if key not in bridge._export_plans:
         bridge._export_plans[key] = bucket_bounds(plan, bucket_bytes)
     local = {t.name: t for t in bridge.local_tensors(chunks)}
     with torch.no_grad():
         for start, stop in bridge._export_plans[key]:
+            units = plan.units[start:stop]
             bucket: list[tuple[str, torch.Tensor]] = []
-            for unit in plan.units[start:stop]:
-                bucket.extend(_hf_tensors(bridge, unit, _materialise(bridge, unit, local, plan), plan))
+            for unit, fulls in zip(units, _materialise(bridge, units, local, plan)):
+                bucket.extend(_hf_tensors(bridge, unit, fulls, plan))
             yield bucket

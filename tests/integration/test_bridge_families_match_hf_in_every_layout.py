@@ -102,6 +102,24 @@ def _check_export(bridge, chunks, folder: str) -> dict[str, list[str]]:
     return {"wrong": wrong, "missing": sorted(expected - seen), "extra": sorted(seen - expected)}
 
 
+BUCKET_BYTES = 64 * 1024
+
+
+def _check_buckets(bridge, chunks) -> dict[str, object]:
+    """bf16 buckets of at most BUCKET_BYTES (or one Megatron tensor's outputs) concatenating to the cast stream."""
+    units = {unit.hf_names for unit in bridge.export_plan(chunks, dtype=torch.bfloat16).units}
+    plain = [(name, tensor.to(torch.bfloat16)) for name, tensor in bridge.export(chunks)]
+    buckets = list(bridge.export_buckets(chunks, BUCKET_BYTES, dtype=torch.bfloat16))
+    flat = [item for bucket in buckets for item in bucket]
+    sizes = [sum(t.numel() * t.element_size() for _, t in bucket) for bucket in buckets]
+    return {
+        "same_stream": [n for n, _ in flat] == [n for n, _ in plain]
+        and all(t.dtype == torch.bfloat16 and torch.equal(t, p) for (_, t), (_, p) in zip(flat, plain)),
+        "oversized": [s for s, b in zip(sizes, buckets) if s > BUCKET_BYTES and tuple(n for n, _ in b) not in units],
+        "buckets": len(buckets),
+    }
+
+
 def _layer_bytes(folder: str) -> tuple[int, int]:
     """(largest per-layer byte total, whole checkpoint bytes) of an HF folder; non-layer tensors count alone."""
     from bridges.hf_io import HFCheckpoint
@@ -137,6 +155,7 @@ def _run_cases(rank: int, world: int, cases, folders: dict[str, str], save_root:
         result = {
             "logits": logits,
             "export": _check_export(bridge, chunks, folder),
+            "buckets": _check_buckets(bridge, chunks),
             "peak": stats.peak,
             "total": stats.total,
         }
@@ -224,6 +243,14 @@ def test_export_reproduces_hf_tensors_bit_for_bit(world2, family, layout):
     for rank, results in enumerate(world2["per_rank"]):
         report = results[(family, layout)]["export"]
         assert report == {"wrong": [], "missing": [], "extra": []}, f"rank {rank}: {report}"
+
+
+@pytest.mark.parametrize(("family", "layout"), CASES)
+def test_bucketed_bf16_export_is_the_cast_stream_within_the_byte_limit(world2, family, layout):
+    for results in world2["per_rank"]:
+        report = results[(family, layout)]["buckets"]
+        assert report["same_stream"] and report["oversized"] == []
+        assert report["buckets"] > 1
 
 
 @pytest.mark.parametrize(("family", "layout"), CASES)
