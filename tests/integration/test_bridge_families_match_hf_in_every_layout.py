@@ -165,6 +165,13 @@ def _run_cases(rank: int, world: int, cases, folders: dict[str, str], save_root:
             result["saved"] = target
         results[(family, layout_name)] = result
     results["unmapped"] = _register_incomplete_bridge(folders["llama"])
+    from mrl.engine.megatron import cpu_compat
+
+    results["compat"] = {
+        "first": cpu_compat.applied(),
+        "again": cpu_compat.apply(),
+        "device": str(torch.cuda.current_device()),
+    }
     teardown()
     return results
 
@@ -273,6 +280,14 @@ def test_save_hf_reloads_in_transformers_with_same_logits(world2, family):
     assert torch.equal(logits, world2["reference"][family])
     assert AutoTokenizer.from_pretrained(saved)("2+2=4")["input_ids"]
     assert pathlib.Path(saved, "config.json").exists()
+
+
+def test_cpu_compat_applies_once_with_one_named_patch_per_assumption(world2):
+    for results in world2["per_rank"]:
+        report = results["compat"]
+        assert report["first"] == report["again"]  # a second apply() changes nothing
+        assert len(report["first"]) == len(set(report["first"])) >= 7
+        assert report["device"] == "cpu"
 
 
 def test_bridge_with_unmapped_parameter_cannot_register(world2):
