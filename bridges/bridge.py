@@ -43,6 +43,24 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
     return params
 
 
+# Megatron's Llama-3 RoPE scaling has these constants built in; other values cannot be expressed.
+_MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def rope_model_kwargs(hf_config: Any) -> dict[str, Any]:
+    """GPTModel RoPE arguments: plain RoPE or Llama-3 scaling; anything else raises NotImplementedError."""
+    rope = rope_parameters(hf_config)
+    kwargs: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": int(rope["rope_theta"])}
+    if rope["rope_type"] == "llama3":
+        fixed = {k: rope.get(k) for k in _MEGATRON_LLAMA3_ROPE}
+        if fixed != _MEGATRON_LLAMA3_ROPE:
+            raise NotImplementedError(f"Llama-3 RoPE {fixed} differs from Megatron's {_MEGATRON_LLAMA3_ROPE}")
+        kwargs.update(rope_scaling=True, rope_scaling_factor=float(rope["factor"]))
+    elif rope["rope_type"] != "default":
+        raise NotImplementedError(f"RoPE type {rope['rope_type']!r} of {type(hf_config).__name__}")
+    return kwargs
+
+
 class Bridge:
     """Base class of a family bridge. Subclasses set `architectures` and implement the two declarations."""
 

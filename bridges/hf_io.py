@@ -135,7 +135,6 @@ def write_safetensors(
     """
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = []
     current: dict[str, torch.Tensor] = {}
     current_bytes = 0
     weight_map: dict[str, str] = {}
@@ -150,7 +149,6 @@ def write_safetensors(
         save_file(current, str(out / file), metadata={"format": "pt"})
         files.append(file)
         weight_map.update(dict.fromkeys(current, file))
-        shards.append({})
         current, current_bytes = {}, 0
 
     for name, tensor in _unique(tensors):

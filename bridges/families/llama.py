@@ -9,12 +9,9 @@ from typing import Any
 
 import torch
 
-from bridges.bridge import Bridge, rope_parameters
+from bridges.bridge import Bridge, rope_model_kwargs
 from bridges.mapping import QKV, ColumnParallel, GateUp, Mapping, Replicated, RowParallel, Tied
 from bridges.registry import register
-
-# Megatron's Llama-3 RoPE scaling has these constants built in; other values cannot be expressed.
-_MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 @register("LlamaForCausalLM")
@@ -44,22 +41,12 @@ class LlamaBridge(Bridge):
 
     def model_kwargs(self) -> dict[str, Any]:
         c = self.hf_config
-        rope = rope_parameters(c)
-        kwargs: dict[str, Any] = dict(
+        return dict(
             vocab_size=c.vocab_size,
             max_sequence_length=c.max_position_embeddings,
-            position_embedding_type="rope",
-            rotary_base=int(rope["rope_theta"]),
             share_embeddings_and_output_weights=bool(c.tie_word_embeddings),
+            **rope_model_kwargs(c),
         )
-        if rope["rope_type"] == "llama3":
-            fixed = {k: rope.get(k) for k in _MEGATRON_LLAMA3_ROPE}
-            if fixed != _MEGATRON_LLAMA3_ROPE:
-                raise NotImplementedError(f"Llama-3 RoPE {fixed} differs from Megatron's {_MEGATRON_LLAMA3_ROPE}")
-            kwargs.update(rope_scaling=True, rope_scaling_factor=float(rope["factor"]))
-        elif rope["rope_type"] != "default":
-            raise NotImplementedError(f"{type(self).__name__}: RoPE type {rope['rope_type']!r}")
-        return kwargs
 
     def attention_mappings(self) -> list[Mapping]:
         a = "model.layers.*.self_attn."
