@@ -83,6 +83,7 @@ class MegatronEngine(BaseEngine):
         self.model: list[Any] = []
         self.optimizer: Any = None
         self.scheduler: Any = None
+        self._offloaders: dict[str, Any] = {}
 
     # ---- construction ---------------------------------------------------------------------------------------
     def initialize(self) -> None:
@@ -107,6 +108,7 @@ class MegatronEngine(BaseEngine):
         self.tf_config = self.bridge.transformer_config(**fields)
         chunks = build_chunks(self.tf_config, self.bridge.model_kwargs())
         self.bridge.load_hf(chunks, self.model_path)
+        self._prepare_chunks(chunks)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
@@ -118,6 +120,9 @@ class MegatronEngine(BaseEngine):
         ]
         if self.optim_cfg is not None:
             self._build_optimizer(dtype)
+
+    def _prepare_chunks(self, chunks: list[torch.nn.Module]) -> None:
+        """Hook between weight import and DDP wrapping (the critic adds its value head here)."""
 
     def _recompute_fields(self) -> dict[str, Any]:
         if not self.cfg.recompute_granularity:
@@ -217,7 +222,7 @@ class MegatronEngine(BaseEngine):
                 None,
                 packed_seq_params=mb.packed_seq_params(),
                 output_processor=self._output_processor(),
-                output_processor_context={"labels": next_token_labels(mb.input_ids), "chunk_tokens": self.chunk_tokens},
+                output_processor_context=self._processor_context(mb, model),
             )
             return output, partial(loss_func, mb)
 
@@ -234,6 +239,9 @@ class MegatronEngine(BaseEngine):
 
     def _output_processor(self) -> Any:
         return logprob.output_processor
+
+    def _processor_context(self, mb: PackedMicroBatch, model: Any) -> dict[str, Any]:
+        return {"labels": next_token_labels(mb.input_ids), "chunk_tokens": self.chunk_tokens}
 
     def _token_outputs(self, mb: PackedMicroBatch, output: Any) -> dict[str, Tensor]:
         """Model outputs of one micro-batch as padded [n, max_len] tensors, token-aligned (see packing.py)."""
@@ -336,13 +344,34 @@ class MegatronEngine(BaseEngine):
         return self.bridge.export(self.unwrapped())
 
     def to(self, device: str, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
-        raise NotImplementedError("offload is not implemented yet")
+        """`to("cpu")` offloads the selected state (its device storage is freed); any other device brings it
+        back bit for bit (mrl/engine/megatron/offload.py)."""
+        from mrl.engine.megatron import offload
+
+        sources = {
+            "params": lambda: offload.param_tensors(self.model),
+            "grads": lambda: offload.grad_tensors(self.model),
+            "optimizer": lambda: offload.optimizer_tensors(self.optimizer) if self.optimizer is not None else [],
+        }
+        to_host = torch.device(device).type == "cpu"
+        for kind, selected in (("params", params), ("grads", grads), ("optimizer", optimizer)):
+            if not selected:
+                continue
+            offloader = self._offloaders.setdefault(kind, offload.StorageOffloader())
+            if to_host and not offloader.offloaded:
+                offloader.offload(sources[kind]())
+            elif not to_host and offloader.offloaded:
+                offloader.onload()
 
     def save_checkpoint(self, path: str) -> None:
-        raise NotImplementedError("dist-checkpointing is not implemented yet")
+        from mrl.engine.megatron import checkpoint
+
+        checkpoint.save(path, self.unwrapped(), self.optimizer, self.scheduler)
 
     def load_checkpoint(self, path: str) -> None:
-        raise NotImplementedError("dist-checkpointing is not implemented yet")
+        from mrl.engine.megatron import checkpoint
+
+        checkpoint.load(path, self.unwrapped(), self.optimizer, self.scheduler)
 
     def mesh(self, name: str = "train") -> Any:
         """Dense-parameter mesh in Megatron's rank order (tp fastest, then cp, dp, pp)."""
