@@ -135,7 +135,17 @@ def _layer_bytes(folder: str) -> tuple[int, int]:
     return max(per_layer.values()), sum(per_layer.values())
 
 
-def _run_cases(rank: int, world: int, cases, folders: dict[str, str], save_root: str):
+def _run_cases(
+    rank: int,
+    world: int,
+    cases: list[tuple[str, str]],
+    layouts: dict[str, dict[str, int]],
+    folders: dict[str, str],
+    save_root: str | None,
+    save_from: dict[str, str],
+    registry_checks: bool = True,
+):
+    """Every (family, layout) case in turn in this process; per case: logits, export/bucket reports, read bytes."""
     from bridges import bridge_from_hf
     from mrl.engine.megatron.model import build_model, runtime_config
     from mrl.engine.megatron.parallel import ParallelLayout, init_distributed, initialize_model_parallel, teardown
@@ -144,7 +154,7 @@ def _run_cases(rank: int, world: int, cases, folders: dict[str, str], save_root:
     tokens = _tokens()
     results = {}
     for family, layout_name in cases:
-        layout = ParallelLayout(**LAYOUTS[layout_name])
+        layout = ParallelLayout(**layouts[layout_name])
         initialize_model_parallel(layout)
         folder = folders[family]
         bridge = bridge_from_hf(folder)
@@ -159,19 +169,20 @@ def _run_cases(rank: int, world: int, cases, folders: dict[str, str], save_root:
             "peak": stats.peak,
             "total": stats.total,
         }
-        if SAVE_FROM.get(family) == layout_name:
+        if save_root is not None and save_from.get(family) == layout_name:
             target = os.path.join(save_root, family)
             bridge.save_hf(chunks, target, source=folder)
             result["saved"] = target
         results[(family, layout_name)] = result
-    results["unmapped"] = _register_incomplete_bridge(folders["llama"])
-    from mrl.engine.megatron import cpu_compat
+    if registry_checks:
+        from mrl.engine.megatron import cpu_compat
 
-    results["compat"] = {
-        "first": cpu_compat.applied(),
-        "again": cpu_compat.apply(),
-        "device": str(torch.cuda.current_device()),
-    }
+        results["unmapped"] = _register_incomplete_bridge(folders["llama"])
+        results["compat"] = {
+            "first": cpu_compat.applied(),
+            "again": cpu_compat.apply(),
+            "device": str(torch.cuda.current_device()),
+        }
     teardown()
     return results
 
@@ -224,7 +235,7 @@ def world2(tmp_path_factory) -> dict:
     }
     folders["llama_rope3"] = str(make_tiny_hf_model("llama", root / "llama_rope3", rope_parameters=llama3_rope))
     save_root = root / "saved"
-    per_rank = launch(_run_cases, WORLD, CASES, folders, str(save_root), timeout_s=900)
+    per_rank = launch(_run_cases, WORLD, CASES, LAYOUTS, folders, str(save_root), SAVE_FROM, timeout_s=900)
     reference = {}
     with torch.no_grad():
         for family, folder in folders.items():
