@@ -1,0 +1,228 @@
+"""The `sglang` backend: the adapter protocol on one SGLang HTTP server per replica (GPU only).
+
+The adapter starts `python -m sglang.launch_server` as a child process of the replica's server actor and speaks
+its HTTP API with aiohttp; every body and response goes through the pure functions of `protocol.py`, which the
+unit tests cover. SGLang's kernels ship as CUDA builds, so nothing here has run against a live engine on the CPU
+machines (docs/rollout_backends.md keeps the record). The server is also reachable by URL when it was started
+elsewhere (`base_url=`), e.g. one member of a prefill/decode-disaggregated replica (mrl/rollout/pd.py).
+
+Weight paths: `_load_weights` (the protocol's update) sends each bucket's tensors as serialized handles to
+/update_weights_from_tensor (colocated: same host, CUDA IPC on GPU); a standalone replica joins a temporary group
+with `init_weight_update_group` and receives broadcasts announced by `update_weights_from_distributed`. The
+delta-sharded path (only changed shards per rank) is not built.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from rollout_adapters.base import RolloutAdapter, StopReason
+from rollout_adapters.buckets import unpack_bucket
+from rollout_adapters.sglang import protocol
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class SGLangAdapter(RolloutAdapter):
+    backend = "sglang"
+    supports_pipeline_parallel = False  # SGLang has PP, but weight updates from tensors assume one stage
+    supports_tensor_parallel = True
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        max_model_len: int = 2048,
+        dtype: str = "auto",
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        seed: int = 0,
+        engine_kwargs: dict[str, Any] | None = None,
+        base_url: str | None = None,
+        weights_cpu_backup: bool = False,
+        start_timeout_s: float = 900.0,
+        **unused: Any,
+    ) -> None:
+        if pipeline_parallel_size != 1:
+            raise ValueError(f"rollout.pipeline_model_parallel_size={pipeline_parallel_size}: the sglang adapter "
+                             "runs PP=1 (its tensor weight update addresses TP ranks only)")
+        super().__init__(max_model_len)
+        self.model_path = model_path
+        self.tp_size = tensor_parallel_size
+        self.weights_cpu_backup = weights_cpu_backup
+        extra = dict(engine_kwargs or {})
+        self.extra_args: list[str] = list(extra.pop("extra_args", ()))
+        self.launch = dict(
+            tp_size=tensor_parallel_size,
+            dp_size=int(extra.pop("data_parallel_size", 1)),
+            dtype=dtype,
+            context_length=max_model_len,
+            seed=seed,
+            mem_fraction_static=extra.pop("mem_fraction_static", None),
+            weights_cpu_backup=weights_cpu_backup,
+        )
+        extra.pop("distributed_executor_backend", None)  # a vLLM knob the replica spec adds for multi-device engines
+        if extra:
+            raise ValueError(f"unknown sglang engine_kwargs {sorted(extra)}; known: extra_args, data_parallel_size, "
+                             "mem_fraction_static")
+        self.base_url = base_url
+        self.start_timeout_s = start_timeout_s
+        self.process: subprocess.Popen | None = None
+        self.session: Any = None
+        self._group_name: str | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        import aiohttp
+
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        if self.base_url is None:
+            port = free_port()
+            argv = protocol.server_command(self.model_path, port=port, **self.launch, extra_args=self.extra_args)
+            env = {**os.environ, **protocol.SERVER_ENV}
+            self.process = subprocess.Popen([sys.executable, *argv], env=env)
+            self.base_url = f"http://127.0.0.1:{port}"
+        await self._wait_healthy()
+
+    async def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"sglang server exited with code {self.process.returncode} while starting")
+            with contextlib.suppress(OSError):
+                async with self.session.get(f"{self.base_url}/health") as response:
+                    if response.status == 200:
+                        return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"sglang server at {self.base_url} not healthy after {self.start_timeout_s} s")
+            await asyncio.sleep(1.0)
+
+    async def shutdown(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+        if self.process is not None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+            self.process = None
+
+    # ---- HTTP ---------------------------------------------------------------------------------------
+    async def _post(self, endpoint: str, body: dict[str, Any] | None = None) -> Any:
+        try:
+            async with self.session.post(f"{self.base_url}{endpoint}", json=body or {}) as response:
+                payload = await _json_or_text(response)
+                return protocol.check_control_response(endpoint, response.status, payload)
+        except OSError as exc:  # aiohttp's connection errors derive from OSError
+            raise ConnectionError(f"sglang server at {self.base_url} unreachable on {endpoint}: {exc}") from exc
+
+    # ---- generation ---------------------------------------------------------------------------------
+    async def _generate(
+        self, request_id: str, prompt_ids: list[int], params: dict[str, Any], budget: int
+    ) -> tuple[list[int], list[float], StopReason]:
+        body = protocol.generate_request(request_id, prompt_ids, params, budget)
+        return protocol.parse_generate_response(await self._post("/generate", body), params["logprobs"], budget)
+
+    async def _abort_running(self) -> None:
+        await self._post("/abort_request", protocol.abort_all_payload())
+
+    # ---- weights ------------------------------------------------------------------------------------
+    async def _load_weights(self, buckets: AsyncIterator[bytes]) -> int:
+        """Colocated path: each bucket's tensors go to the server as serialized handles (torch shared memory /
+        CUDA IPC), loaded by every TP rank; the tensors stay alive here until the call returns."""
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        count = 0
+        async for blob in buckets:
+            named = unpack_bucket(blob)
+            if device is not None:
+                named = [(name, tensor.to(device)) for name, tensor in named]
+            await self._post("/update_weights_from_tensor", protocol.tensor_update_payload(named, self.tp_size))
+            count += len(named)
+        return count
+
+    async def init_weight_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+        group_name: str = "mrl_weight_update", backend: str = "nccl",
+    ) -> None:
+        """Standalone path, step 1: join the trainer's temporary group (the trainer calls init_process_group with
+        rank 0 concurrently)."""
+        body = protocol.init_group_payload(master_address, master_port, rank_offset, world_size, group_name, backend)
+        await self._post("/init_weights_update_group", body)
+        self._group_name = group_name
+
+    async def update_weights_from_distributed(
+        self, metas: Sequence[tuple[str, torch.dtype, Sequence[int]]], version: int
+    ) -> int:
+        """Standalone path, step 2: announce the tensors the trainer broadcasts next (rank 0 of the group), with the
+        protocol's abort -> load -> flush -> version sequence around it."""
+        if self._group_name is None:
+            raise RuntimeError("update_weights_from_distributed before init_weight_update_group")
+        self.sleep_state.require_awake("weights", "update weights")
+        self.events.append(f"update_weights_from_distributed:{version}")
+        try:
+            await self._close_admission()
+            await self._post("/update_weights_from_distributed",
+                             protocol.distributed_update_payload(metas, self._group_name))
+            await self.clear_kv_cache()
+            self.version = int(version)
+        finally:
+            await self._maybe_reopen()
+        return len(metas)
+
+    async def destroy_weight_update_group(self) -> None:
+        if self._group_name is not None:
+            await self._post("/destroy_weights_update_group", {"group_name": self._group_name})
+            self._group_name = None
+
+    # ---- memory -------------------------------------------------------------------------------------
+    async def _sleep(self, level: int) -> None:
+        if level == 1 and not self.weights_cpu_backup:
+            raise NotImplementedError("sglang sleep level 1 (offload weights and keep them) needs the server started "
+                                      "with weights_cpu_backup=True (--enable-weights-cpu-backup)")
+        await self._post("/release_memory_occupation", protocol.memory_payload(protocol.MEMORY_TAGS))
+
+    async def _wake_up(self, tags: list[str]) -> None:
+        await self._post("/resume_memory_occupation", protocol.memory_payload(tags))
+
+    async def _release_kv_cache(self) -> None:
+        await self._post("/release_memory_occupation", protocol.memory_payload(["kv_cache"]))
+
+    async def _clear_prefix_cache(self) -> None:
+        await self._post("/flush_cache")
+
+    async def _check_health(self) -> None:
+        async with self.session.get(f"{self.base_url}/health") as response:
+            if response.status != 200:
+                raise ConnectionError(f"sglang server at {self.base_url} unhealthy ({response.status})")
+
+    async def engine_weight_version(self) -> str:
+        """The version string the server itself holds (GET /get_weight_version); ours is `self.version`."""
+        async with self.session.get(f"{self.base_url}/get_weight_version") as response:
+            return str((await _json_or_text(response)).get("weight_version"))
+
+
+async def _json_or_text(response: Any) -> Any:
+    with contextlib.suppress(Exception):
+        return await response.json(content_type=None)
+    return await response.text()
+
+
+def named_metas(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.dtype, list[int]]]:
+    """(name, dtype, shape) of a stream, for `update_weights_from_distributed` before the broadcasts."""
+    return [(name, tensor.dtype, list(tensor.shape)) for name, tensor in named_tensors]

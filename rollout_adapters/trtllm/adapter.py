@@ -1,0 +1,135 @@
+"""The `trtllm` backend: the adapter protocol on TensorRT-LLM's AsyncLLM (PyTorch backend, Ray orchestrator; GPU only).
+
+TensorRT-LLM's RL surface is AsyncLLM: `release(tags)` / `resume(tags)` for tagged memory (`enable_sleep=True`),
+`update_weights({device_uuid: handles})` through the RLHF worker extension (CUDA IPC handles only), and
+`collective_rpc`. Every translation goes through `protocol.py` (unit-tested); nothing here has run against a live
+engine on the CPU machines. What its API cannot do raises NotImplementedError naming the feature:
+- weight updates over a distributed (NCCL) group: no receive-from-group entry point exists;
+- weight updates from CPU tensors / safetensors bytes: the worker rebuilds CUDA IPC handles only;
+- sleep level 1 (offload weights and restore them): released weights come back with undefined content, so a full
+  update must follow (that is level 2);
+- prefill/decode disaggregation inside an mrl replica (TensorRT-LLM's disaggregated serving is its own server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+from rollout_adapters.base import RolloutAdapter, StopReason
+from rollout_adapters.buckets import unpack_bucket
+from rollout_adapters.trtllm import protocol
+
+
+class TRTLLMAdapter(RolloutAdapter):
+    backend = "trtllm"
+    supports_pipeline_parallel = True
+    supports_tensor_parallel = True
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        max_model_len: int = 2048,
+        dtype: str = "auto",
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        seed: int = 0,
+        engine_kwargs: dict[str, Any] | None = None,
+        **unused: Any,
+    ) -> None:
+        super().__init__(max_model_len)
+        extra = dict(engine_kwargs or {})
+        extra.pop("distributed_executor_backend", None)  # vLLM's knob; TensorRT-LLM's AsyncLLM always uses Ray
+        self.llm_kwargs = dict(
+            model=model_path,
+            backend="pytorch",
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            max_seq_len=max_model_len,
+            enable_sleep=True,
+            **extra,
+        )
+        self.seed = seed
+        self.llm: Any = None
+        self._outputs: dict[str, Any] = {}  # request id -> RequestOutput, for aborts
+
+    async def start(self) -> None:
+        from tensorrt_llm import AsyncLLM
+
+        self.llm = await AsyncLLM(**self.llm_kwargs)
+
+    async def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+
+    async def _generate(
+        self, request_id: str, prompt_ids: list[int], params: dict[str, Any], budget: int
+    ) -> tuple[list[int], list[float], StopReason]:
+        from tensorrt_llm import SamplingParams
+
+        sampling = SamplingParams(**protocol.sampling_kwargs(params, budget))
+        try:
+            output = self.llm.generate_async(protocol.token_prompt(prompt_ids), sampling_params=sampling)
+            self._outputs[request_id] = output
+            result = await output.aresult()
+        except (asyncio.CancelledError, NotImplementedError):
+            raise
+        except Exception as exc:
+            raise protocol.map_error(exc) from exc
+        finally:
+            self._outputs.pop(request_id, None)
+        sample = result.outputs[0]
+        return protocol.parse_completion(sample.token_ids, sample.logprobs, sample.finish_reason,
+                                         params["logprobs"], budget)
+
+    async def _abort_running(self) -> None:
+        for output in list(self._outputs.values()):
+            output.abort()
+
+    async def _load_weights(self, buckets: AsyncIterator[bytes]) -> int:
+        """Colocated path: each bucket is moved to this process's GPU and shared as CUDA IPC handles with the
+        worker on the same device; a final call with None finalises the load and resets the prefix cache."""
+        if not torch.cuda.is_available():
+            raise NotImplementedError("tensorrt-llm weight update from CPU tensors: its worker rebuilds CUDA IPC "
+                                      "handles only")
+        from tensorrt_llm._torch.utils import get_device_uuid
+
+        device = torch.cuda.current_device()
+        uuid = get_device_uuid(device)
+        count = 0
+        async for blob in buckets:
+            named = [(name, tensor.to(device)) for name, tensor in unpack_bucket(blob)]
+            await self.llm.update_weights(protocol.ipc_update_payload(named, uuid))
+            torch.cuda.synchronize()
+            count += len(named)
+        await self.llm.update_weights(None)
+        return count
+
+    async def init_weight_update_group(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("tensorrt-llm distributed weight update (receive from an NCCL group): its LLM API "
+                                  "has no such entry point; use the colocated IPC path or disk")
+
+    async def update_weights_from_distributed(self, *args: Any, **kwargs: Any) -> int:
+        raise NotImplementedError("tensorrt-llm distributed weight update (receive from an NCCL group): its LLM API "
+                                  "has no such entry point; use the colocated IPC path or disk")
+
+    async def _sleep(self, level: int) -> None:
+        if level == 1:
+            raise NotImplementedError("tensorrt-llm sleep level 1 (offload weights and restore them): released "
+                                      "weights return with undefined content; use level 2 and update weights")
+        await self.llm.release(protocol.memory_tags(["weights", "kv_cache"]))
+
+    async def _wake_up(self, tags: list[str]) -> None:
+        await self.llm.resume(protocol.memory_tags(tags))
+
+    async def _release_kv_cache(self) -> None:
+        await self.llm.release(protocol.memory_tags(["kv_cache"]))
+
+    async def _clear_prefix_cache(self) -> None:
+        await self.llm.collective_rpc("reset_prefix_cache")

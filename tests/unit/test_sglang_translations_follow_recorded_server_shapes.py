@@ -1,0 +1,185 @@
+"""SGLang adapter translations, pure functions only (SGLang cannot run on CPU machines).
+
+Shapes followed: sglang main @ 001067ff (0.5.x) — `srt/managers/io_struct.py` (GenerateReqInput,
+UpdateWeightsFromTensorReqInput, UpdateWeightsFromDistributedReqInput, InitWeightsUpdateGroupReqInput,
+Release/ResumeMemoryOccupationReqInput, AbortReq) and `srt/entrypoints/http_server.py` (/generate returns
+{"output_ids", "meta_info": {"finish_reason": {"type", ...}, "output_token_logprobs": [[logprob, id, text]]}}).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rollout_adapters.base import normalize_sampling
+from rollout_adapters.sglang import protocol
+from rollout_adapters.sglang.adapter import SGLangAdapter, named_metas
+
+# Recorded from the /generate handler with --skip-tokenizer-init and return_logprob=True.
+RESPONSE_STOP = {
+    "output_ids": [17, 402, 2],
+    "meta_info": {
+        "id": "r-1",
+        "finish_reason": {"type": "stop", "matched": 2},
+        "prompt_tokens": 5,
+        "completion_tokens": 3,
+        "cached_tokens": 0,
+        "output_token_logprobs": [[-0.25, 17, None], [-1.5, 402, None], [-0.01, 2, None]],
+        "weight_version": "default",
+    },
+}
+RESPONSE_LENGTH = {
+    "output_ids": [5, 6],
+    "meta_info": {"finish_reason": {"type": "length", "length": 2},
+                  "output_token_logprobs": [[-3.0, 5, None], [-2.0, 6, None]]},
+}
+RESPONSE_ABORTED = {
+    "output_ids": [9],
+    "meta_info": {"finish_reason": {"type": "abort", "message": "Abort before prefill"},
+                  "output_token_logprobs": [[-0.5, 9, None]]},
+}
+
+
+def test_sampling_dict_becomes_generate_request():
+    params = normalize_sampling({"temperature": 0, "top_k": 0, "max_tokens": 50, "seed": 3, "stop_token_ids": [7]})
+    body = protocol.generate_request("rid-1", [1, 2, 3], params, budget=12)
+    assert body["rid"] == "rid-1" and body["input_ids"] == [1, 2, 3]
+    assert body["return_logprob"] is True and body["logprob_start_len"] == -1 and body["stream"] is False
+    sp = body["sampling_params"]
+    assert sp["max_new_tokens"] == 12  # the adapter's length budget, not the caller's max_tokens
+    assert sp["temperature"] == 0.0 and sp["top_k"] == -1 and sp["top_p"] == 1.0
+    assert sp["sampling_seed"] == 3 and sp["stop_token_ids"] == [7] and sp["no_stop_trim"] is True
+
+    plain = protocol.generate_request("r", [4], normalize_sampling({"logprobs": False}), budget=1)
+    assert plain["return_logprob"] is False and "sampling_seed" not in plain["sampling_params"]
+    assert "stop_token_ids" not in plain["sampling_params"]
+    routed = protocol.generate_request("r", [4], normalize_sampling({}), 1, bootstrap_room=5, bootstrap_port=8998)
+    assert routed["bootstrap_room"] == 5 and routed["bootstrap_port"] == 8998
+
+
+@pytest.mark.parametrize(
+    ("response", "ids", "lps", "reason"),
+    [
+        (RESPONSE_STOP, [17, 402, 2], [-0.25, -1.5, -0.01], "stop"),
+        (RESPONSE_LENGTH, [5, 6], [-3.0, -2.0], "length"),
+        (RESPONSE_ABORTED, [9], [-0.5], "aborted"),
+    ],
+)
+def test_responses_become_aligned_token_outputs(response, ids, lps, reason):
+    assert protocol.parse_generate_response(response, want_logprobs=True, budget=8) == (ids, lps, reason)
+    got_ids, got_lps, _ = protocol.parse_generate_response(response, want_logprobs=False, budget=8)
+    assert got_ids == ids and got_lps == []
+
+
+def test_misaligned_or_malformed_responses_are_errors():
+    short = {"output_ids": [1, 2], "meta_info": {"finish_reason": {"type": "length"},
+                                                 "output_token_logprobs": [[-1.0, 1, None]]}}
+    with pytest.raises(RuntimeError, match="1 output log-probs for 2 tokens"):
+        protocol.parse_generate_response(short, True, 8)
+    swapped = {"output_ids": [1, 2], "meta_info": {"finish_reason": {"type": "length"},
+                                                   "output_token_logprobs": [[-1.0, 1, None], [-1.0, 3, None]]}}
+    with pytest.raises(RuntimeError, match="log-prob 1 is for token 3"):
+        protocol.parse_generate_response(swapped, True, 8)
+    with pytest.raises(RuntimeError, match="over the budget of 1"):
+        protocol.parse_generate_response(RESPONSE_LENGTH, True, 1)
+    with pytest.raises(RuntimeError, match="unknown reason"):
+        protocol.parse_generate_response({"output_ids": [], "meta_info": {"finish_reason": None}}, True, 8)
+    with pytest.raises(RuntimeError, match="no output_ids"):
+        protocol.parse_generate_response({"text": "hi", "meta_info": {}}, True, 8)
+    too_long = {"output_ids": [], "meta_info": {"finish_reason": {
+        "type": "abort", "status_code": 400, "message": "input is longer than the context length"}}}
+    with pytest.raises(ValueError, match="longer than the context"):
+        protocol.parse_generate_response(too_long, True, 8)
+
+
+def test_errors_map_to_our_exceptions():
+    with pytest.raises(ValueError):
+        protocol.check_control_response("/generate", 400, {"error": "bad"})
+    with pytest.raises(ConnectionError):
+        protocol.check_control_response("/generate", 503, "overloaded")
+    with pytest.raises(RuntimeError, match="sglang /x failed \\(500\\)"):
+        protocol.check_control_response("/x", 500, {"message": "boom"})
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        protocol.check_control_response("/update_weights_from_tensor", 200,
+                                        {"success": False, "message": "shape mismatch"})
+    assert protocol.check_control_response("/flush_cache", 200, "") == ""
+
+
+def test_weight_bucket_becomes_tensor_update_payload_per_tp_rank():
+    named = [("model.embed_tokens.weight", torch.randn(4, 3)), ("lm_head.weight", torch.arange(6.0).view(2, 3))]
+    payload = protocol.tensor_update_payload(named, tp_size=2, version=9)
+    assert payload["flush_cache"] is False and payload["abort_all_requests"] is False
+    assert payload["weight_version"] == "9" and payload["load_format"] is None
+    entries = payload["serialized_named_tensors"]
+    assert len(entries) == 2 and all(isinstance(e, str) for e in entries)  # base64 text: JSON-safe
+    back = protocol.deserialize_named_tensors(entries[1])
+    assert [n for n, _ in back] == [n for n, _ in named]
+    for (_, a), (_, b) in zip(back, named):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="tp_size"):
+        protocol.tensor_update_payload(named, tp_size=0)
+
+
+def test_serialized_handles_load_in_another_process():
+    """CPU tensors travel as shared-memory handles: a separate process rebuilds them. SGLang's workers are
+    multiprocessing children and share the parent's authkey, which the fd-passing handshake checks; so does this one."""
+    import multiprocessing
+
+    named = [("w", torch.linspace(-1, 1, 12).view(3, 4))]
+    payload = protocol.serialize_named_tensors(named)
+    code = ("import os, sys, multiprocessing as mp; mp.current_process().authkey = bytes.fromhex(os.environ['KEY']); "
+            "from rollout_adapters.sglang.protocol import deserialize_named_tensors as d; "
+            "[(n, t)] = d(sys.stdin.read()); print(n, float(t.sum()), tuple(t.shape))")
+    env = {**os.environ, "KEY": multiprocessing.current_process().authkey.hex()}
+    out = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert out.returncode == 0, out.stderr
+    name, total, shape = out.stdout.split(maxsplit=2)
+    assert name == "w" and abs(float(total) - float(named[0][1].sum())) < 1e-6 and shape.strip() == "(3, 4)"
+
+
+def test_distributed_update_and_group_payloads():
+    metas = named_metas([("a", torch.zeros(2, 3, dtype=torch.bfloat16)), ("b", torch.zeros(5))])
+    payload = protocol.distributed_update_payload(metas, "grp", version=4)
+    assert payload["names"] == ["a", "b"] and payload["dtypes"] == ["bfloat16", "float32"]
+    assert payload["shapes"] == [[2, 3], [5]] and payload["group_name"] == "grp" and payload["weight_version"] == "4"
+    assert getattr(torch, payload["dtypes"][0]) is torch.bfloat16  # how the receiver resolves it
+    with pytest.raises(ValueError, match="at least one tensor"):
+        protocol.distributed_update_payload([], "grp")
+    group = protocol.init_group_payload("10.0.0.1", 29500, 1, 3, "grp", "nccl")
+    assert group == {"master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 3,
+                     "group_name": "grp", "backend": "nccl"}
+    with pytest.raises(ValueError, match="rank 0 is the trainer"):
+        protocol.init_group_payload("h", 1, 0, 2, "g", "nccl")
+
+
+def test_memory_abort_and_launch_translations():
+    assert protocol.memory_payload(["weights", "kv_cache"]) == {"tags": ["weights", "kv_cache"]}
+    with pytest.raises(ValueError, match="unknown memory tags"):
+        protocol.memory_payload(["cuda_graph"])
+    assert protocol.abort_all_payload() == {"rid": "", "abort_all": True}
+    argv = protocol.server_command("/m", port=30001, tp_size=2, context_length=1024, weights_cpu_backup=True,
+                                   extra_args=["--disaggregation-mode", "decode"])
+    assert argv[:2] == ["-m", "sglang.launch_server"]
+    assert argv[argv.index("--tp-size") + 1] == "2" and argv[argv.index("--context-length") + 1] == "1024"
+    for flag in ("--skip-tokenizer-init", "--enable-memory-saver", "--enable-weights-cpu-backup"):
+        assert flag in argv
+    assert argv[-2:] == ["--disaggregation-mode", "decode"]
+    assert protocol.SERVER_ENV == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}  # raw log-probs, as the trainer computes
+
+
+def test_adapter_refuses_layouts_and_level_one_sleep_without_backup():
+    with pytest.raises(ValueError, match="PP=1"):
+        SGLangAdapter("/m", pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="unknown sglang engine_kwargs"):
+        SGLangAdapter("/m", engine_kwargs={"gpu_memory_utilization": 0.5})
+    adapter = SGLangAdapter("/m", tensor_parallel_size=2, engine_kwargs={"distributed_executor_backend": "ray"})
+    assert adapter.launch["tp_size"] == 2
+    import asyncio
+
+    with pytest.raises(NotImplementedError, match="sleep level 1"):
+        asyncio.run(adapter._sleep(1))
