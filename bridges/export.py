@@ -245,7 +245,12 @@ def _walk(
     key = ("bounds", id(plan), bucket_bytes)
     if key not in bridge._export_plans:
         bridge._export_plans[key] = bucket_bounds(plan, bucket_bytes)
-    local = {t.name: t for t in bridge.local_tensors(chunks)}
+    # Parameter objects outlive steps (optimizers and offloading change their data, not their identity), so
+    # the name index is built once per model like the plan; rebuilding it cost as much as the stream itself.
+    local_key = ("local", tuple(id(c) for c in chunks))
+    if local_key not in bridge._export_plans:
+        bridge._export_plans[local_key] = {t.name: t for t in bridge.local_tensors(chunks)}
+    local = bridge._export_plans[local_key]
     with torch.no_grad():
         for start, stop in bridge._export_plans[key]:
             units = plan.units[start:stop]
