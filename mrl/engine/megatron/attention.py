@@ -106,9 +106,9 @@ class SdpaAttention(MegatronModule):
         for start, end in itertools.pairwise(bounds):
             if end == start:
                 continue
-            # [len, h, d] → [h, len, d]: one document as one SDPA batch element
-            q, k, v = (x[start:end].transpose(0, 1) for x in (query, key, value))
-            out[start:end] = self._sdpa(q, k, v, None, causal).transpose(0, 1).reshape(end - start, -1)
+            # [len, h, d] → [1, h, len, d]: one document as a batch of one (4-D inputs reach the flash kernels)
+            q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+            out[start:end] = self._sdpa(q, k, v, None, causal)[0].transpose(0, 1).reshape(end - start, -1)
         return out
 
 

@@ -200,10 +200,11 @@ class MegatronEngine(BaseEngine):
     def _normalizer(self, mbs: list[PackedMicroBatch]) -> LossNormalizer:
         from megatron.core import parallel_state
 
-        counts = torch.zeros(2, dtype=torch.float64)
+        # Collectives run on the device: NCCL has no CPU tensors.
+        counts = torch.zeros(2, dtype=torch.float64, device=_device())
         for mb in mbs:
             mask = mb.fields.get("response_mask", mb.token_mask)
-            counts += loss_counts(mask)
+            counts += loss_counts(mask).to(counts.device)
         dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
         return LossNormalizer.from_counts(counts)
 
@@ -278,7 +279,7 @@ class MegatronEngine(BaseEngine):
         last = parallel_state.get_pipeline_model_parallel_last_rank()
         dist.broadcast_object_list(keys_box, src=last, group=pp_group)
         keys = keys_box[0]
-        values = torch.zeros(len(keys), dtype=torch.float64)
+        values = torch.zeros(len(keys), dtype=torch.float64, device=_device())
         if parallel_state.is_pipeline_last_stage():
             for i, k in enumerate(keys):
                 total = sum(float(s[k]) for s in stats)
@@ -322,16 +323,16 @@ class MegatronEngine(BaseEngine):
         keys = self._output_keys(entropy)
         lengths = batch.lengths.tolist()
         n = int(sum(lengths))
-        out = torch.zeros(len(keys), n, dtype=torch.float32)
+        out = torch.zeros(len(keys), n, dtype=torch.float32, device=_device())
         if parallel_state.is_pipeline_last_stage():
             for i, k in enumerate(keys):
-                out[i] = scatter_to_batch([(mb.sample_index, s[k]) for mb, s in zip(mbs, stats)], lengths)
+                out[i] = scatter_to_batch([(mb.sample_index, s[k]) for mb, s in zip(mbs, stats)], lengths).to(out)
         dist.broadcast(
             out,
             src=parallel_state.get_pipeline_model_parallel_last_rank(),
             group=parallel_state.get_pipeline_model_parallel_group(),
         )
-        return dict(zip(keys, out))
+        return dict(zip(keys, out.cpu()))
 
     def _output_keys(self, entropy: bool) -> list[str]:
         return ["log_probs", "entropy"] if entropy else ["log_probs"]
