@@ -144,16 +144,20 @@ class Bridge:
     def load_hf(self, chunks: Sequence[torch.nn.Module], folder: str | os.PathLike[str]) -> ReadStats:
         """Fill this rank's model chunks from an HF folder, one parameter at a time, reading only own slices.
 
-        Returns the reader's byte counters (total read, peak alive) for this rank.
+        Returns the reader's byte counters (total read, peak alive) for this rank. Collective when
+        torch.distributed is initialised: the ranks pool the HF names they read, and a checkpoint tensor that no
+        rank read (a config translation that dropped a feature, say) fails the import with the list of names.
         """
         self.check_coverage(chunks)
         shape = self.model_shape(_config_of(chunks[0]))
+        used: set[str] = set()
         with HFCheckpoint(folder) as checkpoint:
             for tensor in self.local_tensors(chunks):
                 resolved = self.resolve(tensor.name)
                 if resolved is None:
                     continue  # an unmapped buffer (router counters): state, not weights
                 names = resolved.mapping.hf_names(resolved.indices)
+                used.update(names)
                 value = resolved.mapping.load([checkpoint(n) for n in names], self.shard_of(tensor), shape)
                 if value.shape != tensor.tensor.shape:
                     raise ValueError(
@@ -162,7 +166,24 @@ class Bridge:
                     )
                 tensor.tensor.copy_(value)
                 del value
+            self._check_all_read(checkpoint.names(), used)
             return checkpoint.stats
+
+    def ignored_hf_names(self, names: set[str]) -> set[str]:
+        """Checkpoint tensors that are deliberately not imported (a tied model's stored lm_head copy)."""
+        return {"lm_head.weight"} & names if getattr(self.hf_config, "tie_word_embeddings", False) else set()
+
+    def _check_all_read(self, names: set[str], used: set[str]) -> None:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            pooled: list[set[str] | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(pooled, used)
+            used = set().union(*(p or set() for p in pooled))
+        unread = sorted(names - used - self.ignored_hf_names(names))
+        if unread:
+            raise ValueError(
+                f"{type(self).__name__}: {len(unread)} checkpoint tensor(s) map to no Megatron parameter of this "
+                f"model (check the config translation and the table): {unread}"
+            )
 
     def export(
         self,

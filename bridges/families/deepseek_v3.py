@@ -66,6 +66,12 @@ class DeepseekV3Bridge(LlamaBridge):
             "moe_aux_loss_coeff": 0.0,
         }
 
+    def ignored_hf_names(self, names: set[str]) -> set[str]:
+        # Multi-token-prediction layers follow the decoder layers in HF numbering; they are not built.
+        first_mtp = self.hf_config.num_hidden_layers
+        mtp = {n for n in names if n.startswith("model.layers.") and int(n.split(".")[2]) >= first_mtp}
+        return super().ignored_hf_names(names) | mtp
+
     def attention_mappings(self) -> list[Mapping]:
         a, s = "model.layers.*.self_attn.", "decoder.layers.*.self_attention."
         if self.hf_config.q_lora_rank is None:

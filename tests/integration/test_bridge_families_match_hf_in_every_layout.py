@@ -177,7 +177,8 @@ def _run_cases(
     if registry_checks:
         from mrl.engine.megatron import cpu_compat
 
-        results["unmapped"] = _register_incomplete_bridge(folders["llama"])
+        results["unmapped"] = _register_incomplete_bridge(folders)
+        results["unread"] = _import_qwen3_as_llama(folders["qwen3"])
         results["compat"] = {
             "first": cpu_compat.applied(),
             "again": cpu_compat.apply(),
@@ -187,7 +188,7 @@ def _run_cases(
     return results
 
 
-def _register_incomplete_bridge(folder: str) -> dict[str, object]:
+def _register_incomplete_bridge(folders: dict[str, str]) -> dict[str, object]:
     from bridges import UnmappedParametersError, architectures, bridge_from_hf
     from bridges.families.llama import LlamaBridge
     from bridges.registry import register_verified
@@ -202,13 +203,31 @@ def _register_incomplete_bridge(folder: str) -> dict[str, object]:
 
     layout = ParallelLayout()
     initialize_model_parallel(layout)
-    bridge = ForgetfulBridge(bridge_from_hf(folder).hf_config)
+    bridge = ForgetfulBridge(bridge_from_hf(folders["llama"]).hf_config)
     chunks = build_model(bridge.transformer_config(**runtime_config(layout)), bridge.model_kwargs())
     try:
         register_verified(bridge, chunks, "ForgetfulForCausalLM")
     except UnmappedParametersError as error:
         return {"error": str(error), "registered": "ForgetfulForCausalLM" in architectures()}
     return {"error": None, "registered": "ForgetfulForCausalLM" in architectures()}
+
+
+def _import_qwen3_as_llama(folder: str) -> str | None:
+    """Qwen3 weights through the Llama table: Megatron builds no q/k norms, so HF's q_norm/k_norm stay unread."""
+    from bridges import bridge_from_hf
+    from bridges.families.llama import LlamaBridge
+    from mrl.engine.megatron.model import build_model, runtime_config
+    from mrl.engine.megatron.parallel import ParallelLayout, initialize_model_parallel
+
+    layout = ParallelLayout(tp=2)
+    initialize_model_parallel(layout)
+    bridge = LlamaBridge(bridge_from_hf(folder).hf_config)
+    chunks = build_model(bridge.transformer_config(**runtime_config(layout)), bridge.model_kwargs())
+    try:
+        bridge.load_hf(chunks, folder)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -299,6 +318,15 @@ def test_cpu_compat_applies_once_with_one_named_patch_per_assumption(world2):
         assert report["first"] == report["again"]  # a second apply() changes nothing
         assert len(report["first"]) == len(set(report["first"])) >= 7
         assert report["device"] == "cpu"
+
+
+def test_checkpoint_tensor_left_unread_fails_the_import(world2):
+    for results in world2["per_rank"]:
+        error = results["unread"]
+        assert error is not None
+        for layer in (0, 1):
+            assert f"model.layers.{layer}.self_attn.q_norm.weight" in error
+            assert f"model.layers.{layer}.self_attn.k_norm.weight" in error
 
 
 def test_bridge_with_unmapped_parameter_cannot_register(world2):
