@@ -74,3 +74,14 @@ def test_deepseek_v3_first_dense_layers_shared_experts_and_skipped_mtp():
 def test_llama_biases_are_refused_rather_than_dropped():
     with pytest.raises(NotImplementedError, match="attention_bias"):
         bridge_for(tiny_hf_config("llama", attention_bias=True)).config_fields()
+
+
+def test_backend_choice_is_validated_and_megatron_bridge_is_optional():
+    config = tiny_hf_config("llama")
+    with pytest.raises(ValueError, match=r"bridge\.backend"):
+        bridge_for(config, backend="nope")
+    try:
+        import megatron.bridge  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="megatron-bridge"):
+            bridge_for(config, backend="megatron_bridge")
