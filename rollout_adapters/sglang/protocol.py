@@ -120,12 +120,15 @@ def raise_for_error(status: int | None, message: str, endpoint: str) -> None:
 
 
 def check_control_response(endpoint: str, status: int, body: Any) -> Any:
-    """Control endpoints answer {"success": bool, "message": str} (weights) or plain 200s (memory, cache)."""
-    if status >= 400:
-        message = body.get("message", body) if isinstance(body, dict) else body
-        raise_for_error(status, str(message), endpoint)
+    """Control endpoints answer {"success": bool, "message": str} (weights; 400 with success false when the engine
+    could not load) or plain 200s (memory, cache). A reported failure is the engine's, whatever the status."""
     if isinstance(body, dict) and body.get("success") is False:
         raise RuntimeError(f"sglang {endpoint} failed: {body.get('message', '')}")
+    if status >= 400:
+        message = body.get("error", body.get("message", body)) if isinstance(body, dict) else body
+        if isinstance(message, dict):
+            message = message.get("message", message)
+        raise_for_error(status, str(message), endpoint)
     return body
 
 
@@ -159,9 +162,9 @@ def tensor_update_payload(
     """
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
-    one = serialize_named_tensors(named_tensors)
     payload: dict[str, Any] = {
-        "serialized_named_tensors": [one] * tp_size,
+        # One serialisation per rank: a CPU shared-memory handle passes its file descriptor once only.
+        "serialized_named_tensors": [serialize_named_tensors(named_tensors) for _ in range(tp_size)],
         "load_format": None,
         "flush_cache": False,
         "abort_all_requests": False,
