@@ -37,6 +37,10 @@ class DataConfig:
     val_batch_size: int | None = None
     shuffle: bool = True
     seed: int = 1
+    # DAPO dynamic sampling: evict prompt groups whose rewards are all equal and generate more prompts, for at
+    # most max_sample_rounds generation rounds per step.
+    dynamic_sampling: bool = False
+    max_sample_rounds: int = 4
 
 
 @dataclass
@@ -136,6 +140,14 @@ class RolloutConfig:
     recompute_old_log_prob: bool = True
     enforce_eager: bool = True
     free_cache_engine: bool = True
+    # Agent loops (mrl/rollout/agent_loop): single_turn | tool; CPU Ray actors running the sessions.
+    agent_loop: str = "single_turn"
+    agent_loop_workers: int = 1
+    # Tool classes for the tool loop, as "package.module:Class".
+    tools: list[str] = field(default_factory=list)
+    max_turns: int = 4
+    # Replicas to start (0: as many as the trainer's device slots hold, one per TP×DP×PP footprint).
+    num_replicas: int = 0
 
 
 @dataclass
@@ -186,6 +198,10 @@ class TrainerConfig:
     val_before_train: bool = True
     resume_mode: str = "auto"
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    # Validation: greedy accuracy on data.val_files, plus pass@k with k temperature samples when val_pass_k > 0.
+    val_pass_k: int = 0
+    # Trajectories per step written to <default_local_dir>/rollouts.jsonl (0: no dump).
+    rollout_dump_per_step: int = 8
     # Ray resources are declared from these, so a CPU-only machine can stand in for a GPU cluster.
     device: str = "auto"
 

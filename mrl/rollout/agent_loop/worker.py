@@ -1,0 +1,75 @@
+"""`AgentLoopWorker` (a CPU Ray actor running sessions as coroutines) and the driver-side `AgentLoopManager`."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from dataclasses import asdict
+from typing import Any
+
+import ray
+
+from mrl.rollout.agent_loop.base import Tool, agent_loop_class
+from mrl.rollout.client import LLMServerClient
+
+
+def load_tools(specs: list[str]) -> list[Tool]:
+    """Tools from "package.module:Class" strings (constructed without arguments)."""
+    tools = []
+    for spec in specs:
+        module, _, name = spec.partition(":")
+        tools.append(getattr(importlib.import_module(module), name)())
+    return tools
+
+
+class AgentLoopWorker:
+    def __init__(self, tokenizer_path: str, balancer: Any, loop: str, max_response_length: int,
+                 tools: list[str] | None = None, max_turns: int = 4) -> None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        cls = agent_loop_class(loop)
+        kwargs = {"tools": load_tools(tools or []), "max_turns": max_turns} if loop == "tool" else {}
+        self.loop = cls(tokenizer, LLMServerClient(balancer), max_response_length, **kwargs)
+
+    async def generate(self, samples: list[dict[str, Any]], n: int, sampling: dict[str, Any]) -> list[dict[str, Any]]:
+        """`n` independent sessions per sample, all concurrent; trajectories in (sample, i) order. A seeded
+        sampling dict gives session k of this call seed + k, so a run is reproducible and sessions differ."""
+        seed = sampling.get("seed")
+        calls = []
+        for s, sample in enumerate(samples):
+            for i in range(n):
+                k = s * n + i
+                params = {**sampling, "seed": None if seed is None else seed + k}
+                calls.append(self.loop.run(f"{sample['uid']}-{i}", sample, params))
+        return [asdict(t) for t in await asyncio.gather(*calls)]
+
+
+class AgentLoopManager:
+    def __init__(self, num_workers: int, tokenizer_path: str, balancer: Any, loop: str = "single_turn",
+                 max_response_length: int = 256, tools: list[str] | None = None, max_turns: int = 4) -> None:
+        remote = ray.remote(AgentLoopWorker).options(num_cpus=0, max_concurrency=1024)
+        self.workers = [
+            remote.remote(tokenizer_path, balancer, loop, max_response_length, tools, max_turns)
+            for _ in range(num_workers)
+        ]
+
+    def generate(self, samples: list[dict[str, Any]], n: int, sampling: dict[str, Any]) -> list[dict[str, Any]]:
+        """Trajectories of every sample (n each, grouped by sample, in sample order)."""
+        k = len(self.workers)
+        size = -(-len(samples) // k)
+        chunks = [samples[i * size : (i + 1) * size] for i in range(k)]
+        refs = [
+            w.generate.remote(chunk, n, {**sampling, "seed": _offset(sampling.get("seed"), i * size * n)})
+            for i, (w, chunk) in enumerate(zip(self.workers, chunks))
+            if chunk
+        ]
+        return [t for part in ray.get(refs) for t in part]
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+
+
+def _offset(seed: int | None, by: int) -> int | None:
+    return None if seed is None else seed + by

@@ -1,0 +1,92 @@
+"""Assemble a trainer from a validated config: resource pool → actor/rollout/ref workers and rollout replicas
+(started concurrently) → agent loops → data and reward. The slime order, in one function."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from mrl.config.schema import MrlConfig
+from mrl.controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from mrl.data.datasets import RLDataset
+from mrl.reward.evaluator import RewardEvaluator
+from mrl.rollout.agent_loop import AgentLoopManager
+from mrl.rollout.manager import LLMServerManager
+from mrl.rollout.replica import Footprint, ReplicaSpec
+from mrl.trainer.metrics import RunLogger
+from mrl.trainer.ppo_trainer import PPOTrainer, TrainerParts
+from mrl.workers.actor_rollout_ref import ActorRolloutRefWorker
+
+
+def typed(cfg: DictConfig | MrlConfig) -> MrlConfig:
+    return cfg if isinstance(cfg, MrlConfig) else OmegaConf.to_object(cfg)  # type: ignore[return-value]
+
+
+def rollout_spec(c: MrlConfig) -> ReplicaSpec:
+    r = c.rollout
+    return ReplicaSpec(
+        backend=r.name,
+        model_path=c.model.path,
+        footprint=Footprint(r.tensor_model_parallel_size, r.data_parallel_size, r.pipeline_model_parallel_size),
+        max_model_len=c.data.max_prompt_length + c.data.max_response_length,
+        dtype=c.actor.megatron.params_dtype,
+        seed=c.trainer.seed,
+    )
+
+
+def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) -> PPOTrainer:
+    from transformers import AutoTokenizer
+
+    c = typed(cfg)
+    hybrid = c.rollout.mode == "hybrid"
+    use_gpu = torch.cuda.is_available() if c.trainer.device == "auto" else c.trainer.device == "cuda"
+    pool = RayResourcePool(
+        [c.resources.n_gpus_per_node] * c.resources.nnodes,
+        use_gpu=use_gpu,
+        # A hybrid replica's server shares each slot with the worker that trains there.
+        max_colocate_count=max(c.resources.max_colocate_count, 2 if hybrid else 1),
+        name_prefix=f"mrl_{c.trainer.experiment_name}",
+    )
+    actor_rollout = RayWorkerGroup(
+        pool, RayClassWithInitArgs(ActorRolloutRefWorker, c, with_ref=c.actor.use_kl_loss), name_prefix="actor_rollout"
+    )
+    engines_ready = actor_rollout.init_model()  # non-blocking: Megatron builds while the replicas start
+    spec = rollout_spec(c)
+    slots = c.rollout.num_replicas * spec.footprint.devices or None
+    if hybrid:
+        rollout = LLMServerManager.create(spec, "hybrid", pool=pool, num_devices=slots)
+    else:
+        own_slots = c.rollout.nnodes * c.rollout.n_gpus_per_node
+        rollout = LLMServerManager.create(spec, c.rollout.mode, num_devices=slots or own_slots)
+    engines_ready.get()
+    actor_rollout.set_rollout(rollout)
+    tokenizer_path = c.model.tokenizer_path or c.model.path
+    parts = TrainerParts(
+        actor_rollout=actor_rollout,
+        rollout=rollout,
+        agent_loops=AgentLoopManager(
+            c.rollout.agent_loop_workers, tokenizer_path, rollout.balancer, c.rollout.agent_loop,
+            c.data.max_response_length, list(c.rollout.tools), c.rollout.max_turns,
+        ),
+        tokenizer=AutoTokenizer.from_pretrained(tokenizer_path),
+        train_data=RLDataset.from_files(c.data.train_files, c.data.prompt_key),
+        val_data=RLDataset.from_files(c.data.val_files, c.data.prompt_key) if c.data.val_files else None,
+        reward=RewardEvaluator(None if c.reward.reward_fn == "auto" else c.reward.reward_fn,
+                               max_workers=c.reward.num_workers, timeout_s=c.reward.timeout_s),
+    )
+    parts.pool = pool  # type: ignore[attr-defined]
+    return PPOTrainer(c, parts, logger or RunLogger(c.trainer.default_local_dir,
+                                                    dump_per_step=c.trainer.rollout_dump_per_step))
+
+
+def shutdown(trainer: PPOTrainer) -> None:
+    """Stop everything `build_trainer` started (agent loops, replicas, workers, pool)."""
+    p: Any = trainer.parts
+    p.reward.close()
+    p.agent_loops.shutdown()
+    p.rollout.shutdown()
+    p.actor_rollout.kill()
+    if getattr(p, "pool", None) is not None:
+        p.pool.remove()

@@ -1,0 +1,236 @@
+"""`PPOTrainer`: the driver of synchronous PPO/GRPO. `step()` reads top to bottom as the nine stages of a step
+(sample, reward, DP balance, old log-prob, reference log-prob, values, advantage, critic update, actor update),
+each under a named timer, then weight sync stamped with `global_steps`, validation and metrics.
+
+Modes differ only in hooks (`on_sample_begin/end`, `sync_weights`, `on_step_end`): the async trainers subclass
+and override those, never `step()`. Hybrid replicas sleep after sampling and wake around the weight sync.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mrl.algo.advantages import AdvantageConfig
+from mrl.config.schema import MrlConfig
+from mrl.data.batch import Batch
+from mrl.data.datasets import RLDataset
+from mrl.data.replay_buffer import ReplayBuffer, pad_with_noops
+from mrl.reward.evaluator import RewardEvaluator, RewardItem
+from mrl.trainer import batching
+from mrl.trainer.metrics import RunLogger, StageTimer
+
+
+@dataclass
+class TrainerParts:
+    """What `build_trainer` assembles: the worker groups, the rollout side and the data."""
+
+    actor_rollout: Any  # RayWorkerGroup of ActorRolloutRefWorker
+    rollout: Any  # LLMServerManager
+    agent_loops: Any  # AgentLoopManager
+    tokenizer: Any
+    train_data: RLDataset
+    val_data: RLDataset | None
+    reward: RewardEvaluator
+    critic: Any = None
+
+
+class PPOTrainer:
+    def __init__(self, config: MrlConfig, parts: TrainerParts, logger: RunLogger | None = None) -> None:
+        self.config = config
+        self.parts = parts
+        self.logger = logger or RunLogger(None)
+        self.global_steps = 0
+        self.buffer = ReplayBuffer(filter_equal_rewards=config.data.dynamic_sampling)
+        self.prompts: Iterator[list[dict[str, Any]]] = parts.train_data.batches(
+            config.data.train_batch_size, shuffle=config.data.shuffle, seed=config.data.seed
+        )
+        self.adv_config = AdvantageConfig(
+            gamma=config.algorithm.gamma, lam=config.algorithm.lam,
+            norm_adv_by_std_in_grpo=config.algorithm.norm_adv_by_std_in_grpo,
+        )
+        self.timer = StageTimer()
+
+    # ---- the loop ---------------------------------------------------------------------------------------------
+    def fit(self) -> list[dict[str, Any]]:
+        if self.config.trainer.val_before_train and self.parts.val_data is not None:
+            self.logger.log(0, self.validate())
+        while self.global_steps < self.config.trainer.total_training_steps:
+            self.logger.log(self.global_steps + 1, self.step())
+        return self.logger.history
+
+    def step(self) -> dict[str, Any]:
+        c = self.config
+        t = self.timer = StageTimer()
+        step_start = time.perf_counter()
+        with t("gen"):
+            self.on_sample_begin()
+            trajectories = self.sample()  # stage 1 + 2: rollout, then reward (timed inside as "reward")
+            self.on_sample_end()
+        batch = self.to_training_batch(trajectories)
+        with t("balance"):
+            batch = self.balance(batch)
+        with t("old_log_prob"):
+            batch = self.compute_old_log_prob(batch)
+        if self.use_reference:
+            with t("ref"):
+                batch = batch.union(self.parts.actor_rollout.compute_ref_log_prob(self.inputs(batch)))
+        if self.parts.critic is not None:
+            with t("values"):
+                batch = batch.union(self.parts.critic.compute_values(self.inputs(batch)))
+        with t("adv"):
+            batch["advantage"] = batching.scalar_advantages(batch, c.algorithm.adv_estimator, self.adv_config)
+        if self.parts.critic is not None:
+            with t("update_critic"):
+                critic_metrics = self.parts.critic.update_critic(batch, self.num_updates)
+        with t("update_actor"):
+            actor_out = self.parts.actor_rollout.update_actor(self.actor_inputs(batch), self.num_updates)
+        self.global_steps += 1
+        with t("update_weights"):
+            self.sync_weights()
+        metrics = self.step_metrics(batch, trajectories, actor_out)
+        if self.parts.critic is not None:
+            metrics.update(critic_metrics)
+        if c.trainer.test_freq > 0 and self.global_steps % c.trainer.test_freq == 0 and self.parts.val_data:
+            with t("validate"):
+                metrics.update(self.validate())
+        metrics.update(t.metrics())
+        metrics["timing_s/step"] = time.perf_counter() - step_start
+        metrics["perf/tokens_per_s"] = int(batch.jagged_field("input_ids").values.numel()) / metrics["timing_s/step"]
+        self.on_step_end(metrics)
+        return metrics
+
+    # ---- hooks (mode differences live here) ---------------------------------------------------------------------
+    def on_sample_begin(self) -> None:
+        return None
+
+    def on_sample_end(self) -> None:
+        if self.config.rollout.mode == "hybrid":
+            self.parts.rollout.sleep(level=2)  # the trainer gets the devices; weights come back with the sync
+            self.parts.actor_rollout.onload()
+
+    def sync_weights(self) -> None:
+        hybrid = self.config.rollout.mode == "hybrid"
+        if hybrid:
+            self.parts.actor_rollout.offload()
+            self.parts.rollout.wake_up(["weights"])
+        self.parts.actor_rollout.update_weights(self.global_steps)
+        if hybrid:
+            self.parts.rollout.wake_up(["kv_cache"])
+
+    def on_step_end(self, metrics: dict[str, Any]) -> None:
+        return None
+
+    # ---- stages -----------------------------------------------------------------------------------------------
+    def sample(self) -> list[dict[str, Any]]:
+        """Complete prompt groups for one step. With dynamic sampling, groups with all-equal rewards are evicted
+        and more prompts are generated, up to `data.max_sample_rounds` rounds (then the step uses what it has)."""
+        c = self.config
+        want = c.data.train_batch_size
+        for _ in range(c.data.max_sample_rounds if c.data.dynamic_sampling else 1):
+            prompts = [{**p, "uid": f"{p['uid']}@{uuid.uuid4().hex[:8]}"} for p in next(self.prompts)]
+            trajectories = self.parts.agent_loops.generate(prompts, c.rollout.n, self.sampling(train=True))
+            with self.timer("reward"):
+                self.score(trajectories, prompts)
+            self.buffer.add(trajectories, c.rollout.n)
+            if self.buffer.ready(want):
+                break
+        return self.buffer.sample(min(want, len(self.buffer)))
+
+    def score(self, trajectories: list[dict[str, Any]], prompts: list[dict[str, Any]]) -> None:
+        """Decode each response's model tokens and score it (trajectories: consecutive groups, one per prompt);
+        the prompt's fields ride along for the dump."""
+        n = len(trajectories) // len(prompts)
+        items = []
+        for k, traj in enumerate(trajectories):
+            prompt = prompts[k // n]
+            traj.update(uid=prompt["uid"], messages=prompt["messages"], ground_truth=prompt["ground_truth"])
+            model_ids = [i for i, m in zip(traj["response_ids"], traj["response_mask"]) if m]
+            traj["response_text"] = self.parts.tokenizer.decode(model_ids, skip_special_tokens=True)
+            items.append(RewardItem(traj["response_text"], prompt["ground_truth"], prompt["data_source"],
+                                    prompt["extra_info"]))
+        for traj, result in zip(trajectories, self.parts.reward.evaluate_sync(items)):
+            traj["score"] = result.score
+
+    def to_training_batch(self, trajectories: list[dict[str, Any]]) -> Batch:
+        """No-op samples make the count divisible by DP × updates, so every rank makes the same updates."""
+        multiple = self.dp_size * self.num_updates
+        return batching.trajectories_to_batch(pad_with_noops(trajectories, multiple))
+
+    def balance(self, batch: Batch) -> Batch:
+        lengths = batch.jagged_field("input_ids").lengths().tolist()
+        return batch[batching.balance_order(lengths, self.dp_size)]
+
+    def compute_old_log_prob(self, batch: Batch) -> Batch:
+        if not self.config.rollout.recompute_old_log_prob:  # bypass: the rollout's log-probs are π_old
+            batch["old_log_probs"] = batch.jagged_field("rollout_log_probs")
+            return batch
+        return batch.union(self.parts.actor_rollout.compute_log_prob(self.inputs(batch)))
+
+    def validate(self) -> dict[str, float]:
+        """Greedy accuracy on the held-out split (and pass@k with k temperature samples when val_pass_k > 0)."""
+        c, val = self.config, self.parts.val_data
+        assert val is not None
+        prompts = list(val.rows)
+        greedy = self.parts.agent_loops.generate(prompts, 1, {**self.sampling(train=False), "temperature": 0.0})
+        self.score(greedy, prompts)
+        metrics = {"val/greedy_acc": sum(t["score"] > 0 for t in greedy) / len(greedy)}
+        k = c.trainer.val_pass_k
+        if k > 0:
+            sampled = self.parts.agent_loops.generate(prompts, k, self.sampling(train=False))
+            self.score(sampled, prompts)
+            hits = [any(t["score"] > 0 for t in sampled[i * k : (i + 1) * k]) for i in range(len(prompts))]
+            metrics[f"val/pass@{k}"] = sum(hits) / len(prompts)
+        return metrics
+
+    # ---- helpers ------------------------------------------------------------------------------------------------
+    @property
+    def use_reference(self) -> bool:
+        return self.config.actor.use_kl_loss
+
+    @property
+    def num_updates(self) -> int:
+        return self.config.data.train_batch_size // self.config.actor.ppo_mini_batch_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.parts.actor_rollout.dispatch_layout("actor").n_chunks
+
+    def sampling(self, train: bool) -> dict[str, Any]:
+        r = self.config.rollout
+        seed = self.config.trainer.seed * 1_000_003 + self.global_steps * 10_007 + (0 if train else 7)
+        return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "logprobs": True, "seed": seed}
+
+    @staticmethod
+    def inputs(batch: Batch) -> Batch:
+        return batch.select(["input_ids"])
+
+    def actor_inputs(self, batch: Batch) -> Batch:
+        keys = ["input_ids", "response_mask", "old_log_probs", "advantage"]
+        return batch.select(keys + (["ref_log_prob"] if "ref_log_prob" in batch else []))
+
+    def step_metrics(self, batch: Batch, trajectories: list[dict[str, Any]], actor_out: list[dict]) -> dict:
+        real = [t for t in trajectories if not t.get("is_noop")]
+        scores = torch.tensor([t["score"] for t in real])
+        gen_tokens = sum(sum(t["response_mask"]) for t in real)
+        steps = [s for rank in actor_out for s in rank["steps"]]
+        metrics: dict[str, Any] = {
+            "reward/mean": float(scores.mean()),
+            "response_length/mean": gen_tokens / max(len(real), 1),
+            "actor/updates": actor_out[0]["updates"],
+            "buffer/evicted_groups": self.buffer.evicted,
+            "perf/gen_tokens_per_s": gen_tokens / max(self.timer.seconds.get("gen", 0.0), 1e-9),
+        }
+        for key in steps[0] if steps else []:
+            metrics[key if "/" in key else f"actor/{key}"] = sum(float(s[key]) for s in steps) / len(steps)
+        metrics.update(batching.logprob_mismatch(batch))
+        self.logger.dump_rollouts(self.global_steps, [
+            {"prompt": t["messages"], "response": t["response_text"], "reward": t["score"],
+             "ground_truth": t["ground_truth"], "version": t["max_version"]} for t in real
+        ])
+        return metrics

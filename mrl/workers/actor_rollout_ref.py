@@ -1,0 +1,186 @@
+"""`ActorRolloutRefWorker`: the actor (trained), the reference policy (frozen) and the handle of the rollout
+replicas, in one process per device slot.
+
+Group methods are dispatched by the actor engine's mesh (`nd_compute("actor")`): TP/PP ranks of one DP group get
+the same chunk, results come back from TP 0 of the last stage. Read-only calls (`compute_log_prob`,
+`compute_ref_log_prob`) accept dispatch padding; `update_actor` never does: the trainer sends counts that divide
+the DP size and the number of updates (no-op samples with an all-zero response mask).
+
+Token fields travel as jagged fields of a `Batch` aligned with `input_ids` (prompt + response): `response_mask`
+(1 on model tokens), `advantages`, `old_log_probs`, `ref_log_prob`; log-prob t scores token t (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mrl.algo.actor_loss import ActorLossConfig, actor_loss
+from mrl.algo.policy_loss import PolicyLossConfig
+from mrl.config.schema import ActorConfig, MrlConfig
+from mrl.controller import Dispatch, Worker, nd_compute, register
+from mrl.data.batch import Batch
+from mrl.data.jagged import JaggedTensor
+from mrl.workers.training_worker import TrainingWorker, jagged_from_flat, to_engine_batch
+
+ACTOR_MESH = "actor"
+POLICY_LOSS_NAMES = {"ppo_clip": "vanilla"}  # config name → algorithm library name (others pass through)
+
+
+def actor_loss_config(actor: ActorConfig) -> ActorLossConfig:
+    return ActorLossConfig(
+        policy_loss=PolicyLossConfig(
+            loss_mode=POLICY_LOSS_NAMES.get(actor.policy_loss, actor.policy_loss),
+            clip_ratio_low=actor.clip_ratio_low,
+            clip_ratio_high=actor.clip_ratio_high,
+            clip_ratio_c=actor.clip_ratio_c,
+        ),
+        loss_agg_mode=actor.loss_agg_mode,
+        entropy_coeff=actor.entropy_coeff,
+        use_kl_loss=actor.use_kl_loss,
+        kl_loss_coef=actor.kl_loss_coef,
+        kl_loss_type=actor.kl_loss_type,
+    )
+
+
+def make_actor_loss_fn(config: ActorLossConfig) -> Any:
+    def loss_fn(outputs: Any, mb: Any, normalizer: Any) -> Any:
+        return actor_loss(
+            outputs["log_probs"],
+            mb["old_log_probs"],
+            mb["advantages"],
+            mb["response_mask"],
+            normalizer,
+            config,
+            entropy=outputs.get("entropy"),
+            ref_log_prob=mb.get("ref_log_prob"),
+        )
+
+    return loss_fn
+
+
+def token_advantages(batch: Batch) -> JaggedTensor:
+    """The driver's per-sample `advantage` placed on every model token (0 on prompt and tool tokens)."""
+    mask = batch.jagged_field("response_mask")
+    per_token = torch.repeat_interleave(batch["advantage"].float(), mask.lengths())
+    return JaggedTensor(per_token * mask.values, mask.offsets)
+
+
+class ActorRolloutRefWorker(Worker):
+    def __init__(self, config: MrlConfig, with_ref: bool = False) -> None:
+        super().__init__()
+        # Several roles and the rollout share a few cores: one intra-op thread per process.
+        torch.set_num_threads(1)
+        self.config = config
+        self.with_ref = with_ref
+        self.actor: TrainingWorker | None = None
+        self.ref: TrainingWorker | None = None
+        self.rollout: Any = None
+        self.loss_fn = make_actor_loss_fn(actor_loss_config(config.actor))
+
+    def _engine(self, trainable: bool) -> Any:
+        from mrl.engine.megatron.engine import MegatronEngine
+
+        c = self.config
+        role = c.actor if trainable else c.ref
+        micro = c.actor.ppo_micro_batch_size_per_gpu if trainable else c.ref.log_prob_micro_batch_size_per_gpu
+        dynamic = c.actor.use_dynamic_bsz
+        engine = MegatronEngine(
+            c.model.path,
+            role.megatron,
+            c.actor.optim if trainable else None,
+            micro_batch_size=None if dynamic else micro,
+            max_tokens_per_micro_batch=c.actor.ppo_max_token_len_per_gpu if dynamic else None,
+            total_steps=c.trainer.total_training_steps * max(c.data.train_batch_size // c.actor.ppo_mini_batch_size, 1),
+            seed=c.trainer.seed,
+            bridge_backend=c.model.bridge_backend,
+        )
+        engine.initialize()
+        return engine
+
+    @register(Dispatch.ONE_TO_ALL, blocking=False)
+    def init_model(self) -> None:
+        """Build the engines (the reference shares the actor's layout). Non-blocking, so the driver can start the
+        rollout replicas meanwhile."""
+        self.actor = TrainingWorker(self._engine(trainable=True))
+        if self.with_ref:
+            self.ref = TrainingWorker(self._engine(trainable=False))
+        self.register_mesh(ACTOR_MESH, self.actor.engine.mesh())
+
+    @register(Dispatch.ONE_TO_ALL)
+    def set_rollout(self, rollout: Any) -> None:
+        """The rollout manager (LLMServerManager) that `update_weights` pushes to."""
+        self.rollout = rollout
+
+    @register(nd_compute(ACTOR_MESH), pad=True)
+    def compute_log_prob(self, batch: Batch, entropy: bool = False) -> Batch:
+        """`old_log_probs` (and `entropy`) of every token under the current actor."""
+        return self._infer(self.actor, batch, {"log_probs": "old_log_probs", "entropy": "entropy"}, entropy)
+
+    @register(nd_compute(ACTOR_MESH), pad=True)
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        if self.ref is None:
+            raise RuntimeError("compute_ref_log_prob: this worker was built without a reference policy")
+        return self._infer(self.ref, batch, {"log_probs": "ref_log_prob"}, False)
+
+    def _infer(self, role: TrainingWorker | None, batch: Batch, names: dict[str, str], entropy: bool) -> Batch:
+        assert role is not None, "init_model first"
+        outputs = role.infer_batch(to_engine_batch(batch, ["input_ids"]), entropy=entropy)
+        like = batch.jagged_field("input_ids")
+        return Batch.from_dict({names[k]: jagged_from_flat(v, like) for k, v in outputs.items()})
+
+    @register(nd_compute(ACTOR_MESH))
+    def update_actor(self, batch: Batch, num_updates: int) -> dict[str, Any]:
+        """`num_updates` optimizer updates over this DP rank's share (× ppo_epochs); their metrics and count."""
+        assert self.actor is not None, "init_model first"
+        batch["advantages"] = token_advantages(batch)
+        keys = ["input_ids", "response_mask", "advantages", "old_log_probs"]
+        keys += ["ref_log_prob"] if "ref_log_prob" in batch else []
+        before = self.actor.updates
+        steps = self.actor.train_batch(
+            to_engine_batch(batch, keys), self.loss_fn, num_updates, epochs=self.config.actor.ppo_epochs
+        )
+        return {"updates": self.actor.updates - before, "steps": steps}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def update_weights(self, global_steps: int) -> int:
+        """Stream the actor's HF-named weights to every rollout replica, stamped with `global_steps`.
+
+        Every rank iterates the export (it gathers over TP and broadcasts from the owning PP stage); rank 0 ships
+        the stream. Returns the tensors loaded per replica (rank 0) or 0.
+        """
+        assert self.actor is not None, "init_model first"
+        stream = self.actor.engine.export_weights()
+        if self.rank == 0 and self.rollout is not None:
+            return sum(self.rollout.update_weights(stream, global_steps))
+        for _ in stream:
+            pass
+        return 0
+
+    @register(Dispatch.ONE_TO_ALL)
+    def offload(self) -> None:
+        for role in (self.actor, self.ref):
+            if role is not None:
+                role.offload()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def onload(self) -> None:
+        for role in (self.actor, self.ref):
+            if role is not None:
+                role.onload()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        assert self.actor is not None
+        self.actor.save_checkpoint(path)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        assert self.actor is not None
+        self.actor.load_checkpoint(path)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def optimizer_updates(self) -> int:
+        assert self.actor is not None
+        return self.actor.updates

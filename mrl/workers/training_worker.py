@@ -1,0 +1,79 @@
+"""`TrainingWorker`: the generic training role over one `BaseEngine` — it knows batches, losses and optimizer
+updates, nothing about RL.
+
+`train_batch` cuts this DP rank's share of a step into `num_updates` consecutive mini-batches and runs one
+`forward_backward` + `optimizer_step` per mini-batch (the engine splits each further into micro-batches). Every DP
+rank must call it with the same `num_updates`: the engine all-reduces loss denominators per update. Counts are
+made divisible by the caller with no-op samples (all-zero loss mask), never by dispatch padding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mrl.data.batch import Batch
+from mrl.data.jagged import JaggedTensor
+from mrl.engine.base import BaseEngine, LossFn
+
+
+def to_engine_batch(batch: Batch, token_keys: list[str]) -> Any:
+    """The engine's jagged layout (mrl/engine/megatron/packing.py) of the per-token fields `token_keys`; they must
+    share the offsets of `input_ids`."""
+    from mrl.engine.megatron.packing import JaggedBatch
+
+    offsets = batch.jagged_field("input_ids").offsets
+    fields = {}
+    for key in token_keys:
+        field = batch.jagged_field(key)
+        if not torch.equal(field.offsets, offsets):
+            raise ValueError(f"token field {key!r} is not aligned with input_ids")
+        fields[key] = field.values
+    return JaggedBatch(offsets, fields)
+
+
+class TrainingWorker:
+    def __init__(self, engine: BaseEngine) -> None:
+        self.engine = engine
+        self.updates = 0  # optimizer updates made so far (tests count them)
+
+    def train_batch(self, batch: Any, loss_fn: LossFn, num_updates: int, epochs: int = 1) -> list[dict[str, float]]:
+        """`epochs` passes over `num_updates` mini-batches; one metrics dict per update."""
+        n = len(batch)
+        if num_updates < 1 or n % num_updates:
+            raise ValueError(f"{n} samples on this rank cannot form {num_updates} equal mini-batches")
+        size = n // num_updates
+        metrics = []
+        for _ in range(epochs):
+            for k in range(num_updates):
+                mini = batch.select(list(range(k * size, (k + 1) * size)))
+                step = self.engine.forward_backward(mini, loss_fn)
+                step.update(self.engine.optimizer_step())
+                self.updates += 1
+                metrics.append(step)
+        return metrics
+
+    def infer_batch(self, batch: Any, entropy: bool = False) -> dict[str, Tensor]:
+        return self.engine.infer(batch, entropy=entropy)
+
+    def offload(self) -> None:
+        """Free the accelerator for another phase (rollout in hybrid mode); nothing to free on a CPU-only host."""
+        if torch.cuda.is_available():
+            self.engine.to("cpu")
+
+    def onload(self) -> None:
+        if torch.cuda.is_available():
+            self.engine.to("cuda")
+
+    def save_checkpoint(self, path: str) -> None:
+        self.engine.save_checkpoint(path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.engine.load_checkpoint(path)
+
+
+def jagged_from_flat(values: Tensor, like: JaggedTensor) -> JaggedTensor:
+    """Per-token engine outputs (flat, in the batch's order) as a jagged field aligned with `like`."""
+    return JaggedTensor(values, like.offsets.clone())
