@@ -65,8 +65,6 @@ class _LazySlice:
         if index is Ellipsis:
             index = tuple(slice(None) for _ in self.shape)
         tensor = self._slice[index]
-        if tensor.dim() == 0 and len(self.shape) == 0:
-            tensor = tensor.clone()
         self._stats._add(tensor)
         return tensor
 

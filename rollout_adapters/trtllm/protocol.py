@@ -117,12 +117,18 @@ def ipc_update_payload(
     return {device_uuid: base64.b64encode(pickle.dumps(handles)).decode("ascii")}
 
 
-def rebuild_ipc_payload(payload: dict[str, str], device_uuid: str) -> list[tuple[str, torch.Tensor]]:
-    """What the TensorRT-LLM worker does with its entry (the tensors' storage comes from the handles)."""
+def rebuild_ipc_payload(
+    payload: dict[str, str], device_uuid: str, device_index: int | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """What the TensorRT-LLM worker does with its entry: unpickle, point each CUDA handle at its own device index
+    (argument 6 of torch's rebuild_cuda_tensor) and rebuild."""
     if device_uuid not in payload:
         raise ValueError(f"device {device_uuid} not in the weight payload (devices: {sorted(payload)})")
     named = []
     for name, (rebuild, args) in pickle.loads(base64.b64decode(payload[device_uuid])):
+        args = list(args)
+        if device_index is not None and len(args) > 6:
+            args[6] = device_index
         named.append((name, rebuild(*args)))
     return named
 

@@ -183,3 +183,28 @@ def test_adapter_refuses_layouts_and_level_one_sleep_without_backup():
 
     with pytest.raises(NotImplementedError, match="sleep level 1"):
         asyncio.run(adapter._sleep(1))
+
+
+def _deserialize_in_child(entry, outbox) -> None:
+    torch.cuda.set_device(0)
+    outbox.put([(n, str(t.device), t.double().sum().item()) for n, t in protocol.deserialize_named_tensors(entry)])
+
+
+@pytest.mark.gpu
+def test_serialized_cuda_handles_open_in_another_process():
+    """On a GPU: each TP rank's entry carries CUDA IPC handles that a second process (an SGLang TP worker) opens."""
+    import torch.multiprocessing as mp
+
+    named = [("w", torch.randn(33, 7, device="cuda")), ("e", torch.randn(4, device="cuda", dtype=torch.bfloat16))]
+    payload = protocol.tensor_update_payload(named, tp_size=2)
+    ctx = mp.get_context("spawn")
+    for entry in payload["serialized_named_tensors"]:
+        outbox = ctx.Queue()
+        child = ctx.Process(target=_deserialize_in_child, args=(entry, outbox))
+        child.start()
+        got = outbox.get(timeout=120)
+        child.join(timeout=60)
+        assert child.exitcode == 0
+        assert [(n, d) for n, d, _ in got] == [("w", "cuda:0"), ("e", "cuda:0")]
+        for (_, _, got_sum), (_, t) in zip(got, named):
+            assert got_sum == pytest.approx(t.double().sum().item(), abs=1e-6)

@@ -113,3 +113,30 @@ def test_unsupported_features_name_themselves():
 async def _empty():
     for blob in ():
         yield blob
+
+
+def _rebuild_in_child(payload, uuid, outbox) -> None:
+    torch.cuda.set_device(0)
+    named = protocol.rebuild_ipc_payload(payload, uuid, device_index=0)
+    outbox.put([(name, str(t.device), t.double().sum().item(), tuple(t.shape)) for name, t in named])
+
+
+@pytest.mark.gpu
+def test_ipc_payload_rebuilds_in_another_cuda_process():
+    """On a GPU: the payload's CUDA IPC handles open in a second process the way TensorRT-LLM's worker opens them
+    (device index rewritten), without a copy through host memory."""
+    import torch.multiprocessing as mp
+
+    named = [("w", torch.randn(257, 3, device="cuda")), ("b", torch.arange(5, device="cuda", dtype=torch.bfloat16))]
+    payload = protocol.ipc_update_payload(named, "GPU-test")
+    ctx = mp.get_context("spawn")
+    outbox = ctx.Queue()
+    child = ctx.Process(target=_rebuild_in_child, args=(payload, "GPU-test", outbox))
+    child.start()
+    got = outbox.get(timeout=120)
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    expected = [(n, "cuda:0", t.double().sum().item(), tuple(t.shape)) for n, t in named]
+    assert [(n, d, s) for n, d, _, s in got] == [(n, d, s) for n, d, _, s in expected]
+    for (_, _, got_sum, _), (_, _, want_sum, _) in zip(got, expected):
+        assert got_sum == pytest.approx(want_sum, abs=1e-6)
