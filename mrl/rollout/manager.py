@@ -17,6 +17,7 @@ import torch
 from mrl.rollout.client import FullyAsyncLLMServerClient, LLMServerClient
 from mrl.rollout.load_balancer import LoadBalancer
 from mrl.rollout.replica import ReplicaSpec, RolloutMode, RolloutReplica
+from mrl.rollout.server import restore_niceness
 from rollout_adapters.buckets import DEFAULT_BUCKET_BYTES, pack_buckets
 
 
@@ -29,12 +30,20 @@ def replica_count(num_devices: int, footprint_devices: int) -> int:
     return num_devices // footprint_devices
 
 
+class _BalancerActor(LoadBalancer):
+    """The balancer as a Ray actor: every request passes through it twice, so it must not run deprioritised."""
+
+    def __init__(self) -> None:
+        restore_niceness()
+        super().__init__()
+
+
 class LLMServerManager:
     def __init__(self, spec: ReplicaSpec, mode: RolloutMode | str) -> None:
         self.spec = spec
         self.mode = RolloutMode(mode)
         self.replicas: dict[int, RolloutReplica] = {}
-        self.balancer = ray.remote(LoadBalancer).options(num_cpus=0).remote()
+        self.balancer = ray.remote(_BalancerActor).options(num_cpus=0).remote()
         self._next_rank = 0
 
     @classmethod

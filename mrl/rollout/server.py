@@ -7,6 +7,7 @@ the adapter is chosen by name, so the vLLM server is `RolloutServer("vllm", ...)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any
@@ -25,8 +26,23 @@ SERVER_ENV = {
 }
 
 
+def restore_niceness() -> None:
+    """Reset every thread of this process to niceness 0 where permitted (root or CAP_SYS_NICE).
+
+    Ray starts worker processes at niceness 15. On a shared CPU host that starves an inference engine and the
+    RPC threads that carry its requests (measured: the same vLLM engine gave 0.45-0.8x the tokens/s inside a Ray
+    actor). Linux niceness is per thread, and new threads and processes inherit it from their creator.
+    """
+    tasks = "/proc/self/task"
+    tids = [int(t) for t in os.listdir(tasks)] if os.path.isdir(tasks) else [0]
+    for tid in tids:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, 0)
+
+
 class RolloutServer:
     def __init__(self, backend: str, model_path: str, adapter_kwargs: dict[str, Any] | None = None) -> None:
+        restore_niceness()
         for key, value in SERVER_ENV.items():
             os.environ.setdefault(key, value)
         self.backend = backend
@@ -37,6 +53,7 @@ class RolloutServer:
     async def start(self) -> float:
         """Create the engine; returns seconds taken (vLLM on 2 CPU cores: 30-75 s)."""
         start = time.monotonic()
+        restore_niceness()  # this thread spawns the engine's processes, which inherit its niceness
         self.adapter = adapter_class(self.backend)(self.model_path, **self.adapter_kwargs)
         await self.adapter.start()
         return time.monotonic() - start
