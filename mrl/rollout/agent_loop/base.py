@@ -24,6 +24,7 @@ class Trajectory:
     max_version: int = -1
     stop_reason: str = "stop"
     num_turns: int = 0
+    seed: int | None = None  # the sampling seed of the session's first turn: a run can be replayed
 
     def extend(self, ids: list[int], log_probs: list[float] | None, model: bool) -> None:
         self.response_ids += ids
@@ -54,7 +55,7 @@ class AgentLoop(ABC):
 
 class SingleTurnAgentLoop(AgentLoop):
     async def run(self, session_id: str, sample: dict[str, Any], sampling: dict[str, Any]) -> Trajectory:
-        traj = Trajectory(self.prompt_ids(sample["messages"]))
+        traj = Trajectory(self.prompt_ids(sample["messages"]), seed=sampling.get("seed"))
         out = await self.client.generate(
             session_id, traj.prompt_ids, {**sampling, "max_tokens": self.max_response_length}
         )
@@ -95,7 +96,7 @@ class ToolAgentLoop(AgentLoop):
         return newline + self.prompt_ids([{"role": "tool", "content": text}])
 
     async def run(self, session_id: str, sample: dict[str, Any], sampling: dict[str, Any]) -> Trajectory:
-        traj = Trajectory(self.prompt_ids(sample["messages"]))
+        traj = Trajectory(self.prompt_ids(sample["messages"]), seed=sampling.get("seed"))
         while traj.num_turns < self.max_turns:
             budget = self.max_response_length - len(traj.response_ids)
             if budget <= 0:
