@@ -91,3 +91,24 @@ def test_count_split_rounds_group_count_up_for_interleaved_pipelines():
     groups = split_by_count([1] * 5, 2, multiple_of=2)
     assert len(groups) == 4 and sorted(i for g in groups for i in g) == list(range(5))
     assert max(len(g) for g in groups) <= 2
+
+
+def test_batch_jagged_fields_become_token_fields():
+    from mrl.data.batch import Batch
+
+    batch = make_batch([3, 5])
+    ids, mask = batch.token_fields["input_ids"], batch.token_fields["mask"]
+    b = Batch.from_dict(
+        {"input_ids": [ids[:3], ids[3:]], "mask": [mask[:3], mask[3:]], "score": torch.tensor([1.0, 2.0])}
+    )
+    jb = JaggedBatch.from_batch(b)
+    assert jb.offsets.tolist() == [0, 3, 8]
+    torch.testing.assert_close(jb.token_fields["mask"], mask)
+    assert jb.sample_fields["score"].tolist() == [1.0, 2.0]
+    bad = Batch.from_dict({"input_ids": [ids[:3], ids[3:]], "mask": [mask[:2], mask[2:]]})
+    try:
+        JaggedBatch.from_batch(bad)
+    except ValueError as e:
+        assert "mask" in str(e)
+    else:
+        raise AssertionError("expected ValueError for misaligned jagged fields")

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mrl.algo.aggregation import LossNormalizer, loss_counts
-from mrl.config.schema import MegatronConfig, OptimConfig
+from mrl.config.schema import ActorConfig, MegatronConfig, OptimConfig
 from mrl.engine.base import BaseEngine, LossFn
 from mrl.engine.megatron import logprob
 from mrl.engine.megatron.packing import (
@@ -84,6 +84,15 @@ class MegatronEngine(BaseEngine):
         self.optimizer: Any = None
         self.scheduler: Any = None
         self._offloaders: dict[str, Any] = {}
+
+    @classmethod
+    def from_actor_config(cls, model_path: str, actor: ActorConfig, *, total_steps: int = 1) -> MegatronEngine:
+        """The actor engine of a recipe: verl's micro-batch knobs select count or token-budget packing."""
+        if actor.use_dynamic_bsz:
+            micro = {"micro_batch_size": None, "max_tokens_per_micro_batch": actor.ppo_max_token_len_per_gpu}
+        else:
+            micro = {"micro_batch_size": actor.ppo_micro_batch_size_per_gpu or 1}
+        return cls(model_path, actor.megatron, actor.optim, total_steps=total_steps, **micro)
 
     # ---- construction ---------------------------------------------------------------------------------------
     def initialize(self) -> None:

@@ -15,6 +15,7 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -45,6 +46,20 @@ class JaggedBatch:
         keys = sequences[0].keys()
         fields = {k: torch.cat([s[k] for s in sequences]) for k in keys}
         return cls(offsets, fields, dict(sample_fields))
+
+    @classmethod
+    def from_batch(cls, batch: Any) -> JaggedBatch:
+        """View of an `mrl.data.batch.Batch`: its jagged fields become token fields (they must share the offsets
+        of `input_ids`, i.e. be aligned with whole sequences), its fixed-shape tensors sample fields."""
+        ids = batch.jagged_field("input_ids")
+        misaligned = [k for k, j in batch.jagged.items() if not torch.equal(j.offsets, ids.offsets)]
+        if misaligned:
+            raise ValueError(f"jagged fields {misaligned} are not aligned with input_ids (different offsets)")
+        return cls(
+            ids.offsets,
+            {k: j.values for k, j in batch.jagged.items()},
+            dict(batch.tensors.items()),
+        )
 
     @property
     def lengths(self) -> Tensor:
