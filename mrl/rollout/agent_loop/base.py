@@ -110,8 +110,8 @@ class ToolAgentLoop(AgentLoop):
             traj.stop_reason = out.stop_reason
             traj.num_turns += 1
             call = self._find_call(self.tokenizer.decode(out.token_ids, skip_special_tokens=True))
-            if call is None or out.stop_reason != "stop":
-                break
+            if call is None or out.stop_reason != "stop" or traj.num_turns >= self.max_turns:
+                break  # an observation after the last turn would never be read by the model
             tool, arguments = call
             obs = self.observation_ids(await tool.execute(arguments))
             room = self.max_response_length - len(traj.response_ids)

@@ -1,0 +1,47 @@
+"""Replay buffer: groups enter and leave whole, all-equal-reward groups are evicted under dynamic sampling, and
+no-op padding makes counts divisible without contributing a single loss token."""
+
+import pytest
+
+from mrl.data.replay_buffer import ReplayBuffer, pad_with_noops
+
+
+def group(uid: str, scores: list[float]) -> list[dict]:
+    return [
+        {"uid": uid, "score": s, "prompt_ids": [1, 2], "response_ids": [3] * (i + 1), "response_mask": [1] * (i + 1),
+         "min_version": 0}
+        for i, s in enumerate(scores)
+    ]
+
+
+def test_dynamic_sampling_evicts_groups_whose_rewards_are_all_equal():
+    buffer = ReplayBuffer(filter_equal_rewards=True)
+    kept = buffer.add(group("a", [1, 1]) + group("b", [0, 1]) + group("c", [0, 0]), n=2)
+    assert kept == 1 and buffer.evicted == 2 and buffer.added == 3
+    assert not buffer.ready(2)
+    buffer.add(group("d", [1, 0]), n=2)
+    out = buffer.sample(2)
+    assert [t["uid"] for t in out] == ["b", "b", "d", "d"]  # whole groups, oldest first
+
+
+def test_without_dynamic_sampling_every_group_is_kept():
+    buffer = ReplayBuffer()
+    buffer.add(group("a", [1, 1]) + group("b", [0, 0]), n=2)
+    assert len(buffer) == 2 and buffer.evicted == 0
+
+
+def test_a_group_must_hold_one_prompt():
+    with pytest.raises(ValueError, match="one uid"):
+        ReplayBuffer().add(group("a", [1]) + group("b", [0]), n=2)
+    with pytest.raises(ValueError, match="groups of 2"):
+        ReplayBuffer().add(group("a", [1, 0, 1]), n=2)
+
+
+def test_noop_padding_makes_counts_divisible_with_all_zero_masks():
+    samples = group("a", [1, 0, 1])
+    padded = pad_with_noops(samples, 4)
+    assert len(padded) == 4 and padded[:3] == samples
+    noop = padded[3]
+    assert noop["response_mask"] == [0] * len(noop["response_ids"]) and noop["score"] == 0.0
+    assert noop["response_ids"] == samples[0]["response_ids"]  # a copy of the shortest sample
+    assert pad_with_noops(samples, 3) == samples
