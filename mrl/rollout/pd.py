@@ -174,6 +174,7 @@ class PDRouter:
         self.bootstrap = bootstrap
         self.balancer = LoadBalancer(dict(self.decodes))
         self.routes: dict[str, int] = {name: 0 for name in self.decodes}  # requests served per decode member
+        self.paused = False  # admission closed by the caller's abort_all until resume_generation
 
     async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any]) -> TokenOutput:
         name, decode = self.balancer.acquire(request_id)
@@ -221,13 +222,26 @@ class PDRouter:
         return dict(zip(names, results))
 
     async def update_weights(self, buckets: Any, version: int) -> dict[str, int]:
-        """Every member loads the same buckets (bytes, or Ray refs the member servers fetch) and takes `version`."""
-        return await self._all("update_weights", buckets, version)
+        """Every member loads the same buckets (bytes, or Ray refs the member servers fetch) and takes `version`.
+
+        Members update concurrently, so admission closes on all of them first and reopens only when all have
+        loaded: otherwise a request could be prefilled by a member with the new weights and decoded by one still
+        on the old (or the reverse), and its tokens would belong to no version. A pause the caller made with
+        `abort_all` stays in place.
+        """
+        await self._all("abort_all")
+        try:
+            return await self._all("update_weights", buckets, version)
+        finally:
+            if not self.paused:
+                await self._all("resume_generation")
 
     async def abort_all(self) -> dict[str, int]:
+        self.paused = True
         return await self._all("abort_all")
 
     async def resume_generation(self) -> None:
+        self.paused = False
         await self._all("resume_generation")
 
     async def sleep(self, level: int = 2) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from typing import Any
 
 import ray
@@ -125,9 +126,26 @@ class PDReplica:
         self.spec = spec
         self.pd = pd
         self.base_port = base_port
-        self.server_id = f"pd-{replica_rank}"
+        self.server_id = f"pd-{replica_rank}-{uuid.uuid4().hex[:6]}"
         self.members: dict[str, Any] = {}
         self.server: Any = None  # the router actor
+        self._own_pool: Any = None
+
+    # RolloutReplica's placement entry points, so a manager can hold either kind of replica.
+    def init_hybrid(self, trainer_pool: Any) -> ray.ObjectRef:
+        return self.launch(trainer_pool)
+
+    def init_colocated(self, pool: Any) -> ray.ObjectRef:
+        return self.launch(pool)
+
+    def init_standalone(self, use_gpu: bool | None = None, cpus_per_slot: float = 1.0) -> ray.ObjectRef:
+        from mrl.controller.resource_pool import RayResourcePool
+
+        if use_gpu is None:
+            use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        self._own_pool = RayResourcePool([self.pd.devices], use_gpu=use_gpu, cpus_per_slot=cpus_per_slot,
+                                         name_prefix=self.server_id)
+        return self.launch(self._own_pool, first_slot=0)
 
     def launch(self, pool: Any, first_slot: int | None = None) -> ray.ObjectRef:
         """Start every member on its slots, then the router; returns a ref that resolves once all have started."""
@@ -181,6 +199,9 @@ class PDReplica:
         if self.server is not None:
             ray.kill(self.server)
             self.server = None
+        if self._own_pool is not None:
+            self._own_pool.remove()
+            self._own_pool = None
 
 
 class _PDRouterActor(PDRouter):

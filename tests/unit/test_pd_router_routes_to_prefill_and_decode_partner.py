@@ -110,9 +110,42 @@ def test_weight_updates_and_control_reach_every_member(model_dir):
     assert health["versions_agree"] and health["version"] == 3 and after.version == 3 and before.version == 0
     assert after.log_probs != before.log_probs
     for member in members:
-        assert member.events == ["update_weights:3", "clear_kv_cache", "abort_all", "resume_generation",
-                                 "release_kv_cache", "wake_up:kv_cache"]
+        # The update is gated router-wide: every member stops admitting before any loads.
+        assert member.events == ["abort_all", "update_weights:3", "clear_kv_cache", "resume_generation",
+                                 "abort_all", "resume_generation", "release_kv_cache", "wake_up:kv_cache"]
         assert torch.equal(member.model.state_dict()["lm_head.weight"], state["lm_head.weight"])
+
+
+def test_update_during_generation_keeps_versions_whole_and_caller_pause(model_dir):
+    """A request running when the update starts returns aborted under the old version; one sent during the update
+    waits and runs entirely on the new weights; an update inside the caller's abort -> resume window does not
+    reopen admission early."""
+    router, members = _router("vllm", model_dir, 1)
+    state = {k: v * 1.01 for k, v in members[0].model.state_dict().items()}
+    long = {"max_tokens": 200, "ignore_eos": True, "seed": 1}
+
+    async def until(predicate):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+    async def scenario():
+        running = asyncio.create_task(router.generate("r", PROMPT, long))
+        await asyncio.wait_for(until(lambda: members[1]._running), 60)
+        update = asyncio.create_task(router.update_weights(list(pack_buckets(state.items())), 4))
+        await asyncio.wait_for(until(lambda: members[0].events), 60)  # admission closed on the prefill member
+        parked = asyncio.create_task(router.generate("p", PROMPT, GREEDY))
+        await update
+        aborted, after = await running, await parked
+        await router.abort_all()
+        await router.update_weights(list(pack_buckets(state.items())), 5)
+        paused = [(await m.health())["paused"] for m in members]
+        await router.resume_generation()
+        return aborted, after, paused
+
+    aborted, after, paused = asyncio.run(scenario())
+    assert aborted.stop_reason == "aborted" and aborted.version == 0
+    assert after.stop_reason == "length" and after.version == 4
+    assert paused == [True, True]
 
 
 def test_router_refuses_incomplete_members(model_dir):

@@ -31,7 +31,8 @@ class RecordedServer:
         app = web.Application()
         app.router.add_get("/health", self.health)
         for path in ("/generate", "/abort_request", "/update_weights_from_tensor", "/flush_cache",
-                     "/release_memory_occupation", "/resume_memory_occupation"):
+                     "/release_memory_occupation", "/resume_memory_occupation", "/init_weights_update_group",
+                     "/update_weights_from_distributed", "/destroy_weights_update_group"):
             app.router.add_post(path, self.handle)
         self.app = app
 
@@ -51,6 +52,8 @@ class RecordedServer:
             if any(not torch.isfinite(t).all() for _, t in named):
                 return web.json_response({"success": False, "message": "non-finite weights"}, status=400)
             return web.json_response({"success": True, "message": "Succeeded to update model weights."})
+        if "weights_update_group" in path or path == "/update_weights_from_distributed":
+            return web.json_response({"success": True, "message": "ok"})
         return web.json_response({})
 
     async def generate(self, body: dict) -> web.Response:
@@ -159,6 +162,37 @@ def test_sleep_wake_tags_and_errors():
         ("/resume_memory_occupation", {"tags": ["kv_cache"]}),
     ]
     assert version == 0  # a failed update does not stamp its version
+
+
+def test_distributed_update_joins_group_announces_tensors_and_stamps_version():
+    metas = [("a.weight", torch.bfloat16, [4, 4]), ("b.bias", torch.float32, [4])]
+
+    async def scenario():
+        server = RecordedServer()
+        runner, url = await _serve(server)
+        adapter = SGLangAdapter("/m", base_url=url, max_model_len=1024)
+        await adapter.start()
+        try:
+            with pytest.raises(RuntimeError, match="before init_weight_update_group"):
+                await adapter.update_weights_from_distributed(metas, 2)
+            await adapter.init_weight_update_group("10.1.2.3", 29555, 1, 2, group_name="g")
+            count = await adapter.update_weights_from_distributed(metas, 2)
+            await adapter.destroy_weight_update_group()
+            return server.calls, count, adapter.version
+        finally:
+            await adapter.shutdown()
+            await runner.cleanup()
+
+    calls, count, version = asyncio.run(scenario())
+    assert [p for p, _ in calls] == ["/init_weights_update_group", "/abort_request",
+                                     "/update_weights_from_distributed", "/flush_cache",
+                                     "/destroy_weights_update_group"]
+    assert calls[0][1] == {"master_address": "10.1.2.3", "master_port": 29555, "rank_offset": 1, "world_size": 2,
+                           "group_name": "g", "backend": "nccl"}
+    announced = calls[2][1]
+    assert announced["names"] == ["a.weight", "b.bias"] and announced["dtypes"] == ["bfloat16", "float32"]
+    assert announced["shapes"] == [[4, 4], [4]] and announced["group_name"] == "g"
+    assert calls[4][1] == {"group_name": "g"} and count == 2 and version == 2
 
 
 def test_unreachable_server_is_a_connection_error():
