@@ -49,6 +49,7 @@ def test_failing_rank_traceback_is_reported():
 
 def test_hung_rank_is_stopped_at_the_timeout():
     start = time.monotonic()
-    with pytest.raises(LaunchError, match=r"ranks \[0\] did not finish"):
+    # Rank 1 normally reports at once; on a heavily shared machine it may still be importing torch at the deadline.
+    with pytest.raises(LaunchError, match=r"ranks \[0(, 1)?\] did not finish within 15 s"):
         launch(_rank_zero_hangs, 2, timeout_s=15)
     assert time.monotonic() - start < 45
