@@ -20,15 +20,23 @@ class LLMServerClient:
     def __init__(self, balancer: Any) -> None:
         """`balancer`: handle of the LoadBalancer actor shared by all clients."""
         self.balancer = balancer
+        self._servers: dict[str, Any] = {}
+
+    async def _server(self, server_id: str) -> Any:
+        if server_id not in self._servers:
+            self._servers[server_id] = await self.balancer.handle.remote(server_id)
+        return self._servers[server_id]
 
     async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any]) -> TokenOutput:
         """One call on the session's server. A server that died mid-call is unregistered and the call retried
         once elsewhere (its sessions re-route)."""
         for attempt in range(2):
-            server_id, server = await self.balancer.acquire.remote(request_id)
+            server_id = await self.balancer.acquire_id.remote(request_id)
             try:
+                server = await self._server(server_id)
                 return await server.generate.remote(request_id, prompt_ids, sampling_params)
             except RayActorError:
+                self._servers.pop(server_id, None)
                 await self.balancer.remove_server.remote(server_id)
                 if attempt == 1:
                     raise

@@ -45,7 +45,13 @@ class LoadBalancer:
         return orphans
 
     def acquire(self, request_id: str) -> tuple[str, Any]:
-        """Pick the server for one call of `request_id` and count it in flight until `release`."""
+        """Pick the server for one call of `request_id`, count it in flight until `release`; (server id, handle)."""
+        server_id = self.acquire_id(request_id)
+        return server_id, self._servers[server_id]
+
+    def acquire_id(self, request_id: str) -> str:
+        """`acquire` without the handle: remote clients cache handles (`handle`), since deserialising a Ray actor
+        handle on every call costs more than the routing itself."""
         if not self._servers:
             raise RuntimeError("no rollout server is registered with the load balancer")
         server_id = self._sticky.get(request_id)
@@ -56,7 +62,10 @@ class LoadBalancer:
         while len(self._sticky) > self._max_sessions:
             self._sticky.popitem(last=False)
         self._in_flight[server_id] += 1
-        return server_id, self._servers[server_id]
+        return server_id
+
+    def handle(self, server_id: str) -> Any:
+        return self._servers.get(server_id)
 
     def release(self, server_id: str) -> None:
         if server_id in self._in_flight:  # the server may have been removed while the request ran

@@ -63,12 +63,21 @@ def rollout_managers(ray_cluster, tiny_model_dir) -> Iterator[dict[str, LLMServe
 
 @pytest.fixture(params=BACKENDS)
 def manager(request, rollout_managers, tiny_model_dir) -> LLMServerManager:
-    """The shared one-replica standalone manager of a backend (started on first use)."""
+    """The shared one-replica standalone manager of a backend: started on first use, shut down after the last
+    selected test that uses it (not at session end: later integration tests should not share the CPU and memory
+    with an idle engine)."""
     backend = request.param
     if backend not in rollout_managers:
         rollout_managers[backend] = LLMServerManager.create(
             replica_spec(backend, tiny_model_dir), "standalone", num_devices=1
         )
+    users = [
+        item
+        for item in request.session.items
+        if getattr(item, "callspec", None) is not None and item.callspec.params.get("manager") == backend
+    ]
+    if users and users[-1] is request.node:
+        request.addfinalizer(lambda: rollout_managers.pop(backend).shutdown())
     return rollout_managers[backend]
 
 

@@ -12,21 +12,21 @@ from mrl.rollout.load_balancer import LoadBalancer
 def test_new_requests_go_to_least_loaded_and_ties_to_first():
     lb = LoadBalancer({"a": "A", "b": "B", "c": "C"})
     assert lb.acquire("r1") == ("a", "A")
-    assert lb.acquire("r2") == ("b", "B")
-    assert lb.acquire("r3") == ("c", "C")
+    assert [lb.acquire_id(r) for r in ("r2", "r3")] == ["b", "c"]
+    assert lb.handle("b") == "B" and lb.handle("gone") is None
     lb.release("b")
-    assert lb.acquire("r4")[0] == "b"
+    assert lb.acquire_id("r4") == "b"
     assert lb.in_flight() == {"a": 1, "b": 1, "c": 1}
 
 
 def test_sessions_stick_even_to_a_busier_server():
     lb = LoadBalancer({"a": None, "b": None})
-    assert lb.acquire("session")[0] == "a"
+    assert lb.acquire_id("session") == "a"
     for i in range(3):
         lb.acquire(f"other{i}")
     assert lb.in_flight() == {"a": 2, "b": 2}
     lb.acquire("x")  # a: 3
-    assert lb.acquire("session")[0] == "a"
+    assert lb.acquire_id("session") == "a"
     assert lb.in_flight()["a"] == 4
 
 
@@ -36,7 +36,7 @@ def test_removal_reroutes_only_its_sessions():
     lb.acquire("s-b")
     assert sorted(lb.remove_server("a")) == ["s-a"]
     lb.release("a")  # the call that was running on the removed server returns late
-    assert lb.acquire("s-a")[0] == "b"
+    assert lb.acquire_id("s-a") == "b"
     assert lb.session_server("s-b") == "b"
     assert lb.remove_server("missing") == []
 
