@@ -16,6 +16,7 @@ and have the retry run on the new weights (abort -> update -> resume).
 from __future__ import annotations
 
 import asyncio
+import collections
 import importlib
 import uuid
 from abc import ABC, abstractmethod
@@ -141,7 +142,7 @@ class RolloutAdapter(ABC):
         self._paused_by_abort = False
         self._running: dict[str, asyncio.Future] = {}
         self._waiting = 0  # requests parked while admission is closed
-        self.events: list[str] = []  # control calls in order, for observability and tests
+        self.events: collections.deque[str] = collections.deque(maxlen=1000)  # recent control calls, in order
 
     # ---- generation -------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any]) -> TokenOutput:

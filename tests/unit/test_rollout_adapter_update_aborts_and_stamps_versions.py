@@ -60,7 +60,7 @@ def test_release_kv_cache_holds_requests_until_resumed(model_dir):
         await until(lambda: adapter._waiting == 1)
         assert (await adapter.health())["asleep"] == ["kv_cache"]
         await adapter.resume_kv_cache()
-        return await held, adapter.events
+        return await held, list(adapter.events)
 
     out, events = asyncio.run(scenario())
     assert len(out.token_ids) == 3 and out.log_probs is None
