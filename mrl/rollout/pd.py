@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mrl.rollout.load_balancer import LoadBalancer
-from rollout_adapters.base import TokenOutput
+from rollout_adapters.base import TokenOutput, normalize_sampling
 
 # Transfer backend name -> vLLM KV connector class name (vllm/distributed/kv_transfer/kv_connector/factory.py).
 VLLM_CONNECTORS = {"nixl": "NixlConnector", "mooncake": "MooncakeConnector"}
@@ -191,16 +191,17 @@ class PDRouter:
 
     async def _generate_vllm(self, decode: Any, request_id: str, prompt_ids: list[int],
                              sampling: dict[str, Any]) -> TokenOutput:
-        if sampling.get("max_tokens", 1) == 0:
-            out, _ = await decode.generate_transfer(request_id, prompt_ids, sampling, None)
+        params = normalize_sampling(sampling)
+        if params["max_tokens"] == 0:
+            out, _ = await decode.generate_transfer(request_id, prompt_ids, params, None)
             return out
         first, received = await self.prefill.generate_transfer(
-            request_id, prompt_ids, {**sampling, "max_tokens": 1}, dict(VLLM_PREFILL_TRANSFER))
-        if first.stop_reason == "aborted":
-            return TokenOutput([], [] if sampling.get("logprobs", True) else None, "aborted", first.version)
+            request_id, prompt_ids, {**params, "max_tokens": 1}, dict(VLLM_PREFILL_TRANSFER))
+        if not first.token_ids:  # aborted before its first token, or no room left in the context: nothing to decode
+            return first
         if received is None:
             raise RuntimeError("the vLLM prefill server returned no kv_transfer_params: is its kv_transfer_config set?")
-        out, _ = await decode.generate_transfer(request_id, prompt_ids, sampling, received)
+        out, _ = await decode.generate_transfer(request_id, prompt_ids, params, received)
         return out
 
     async def _generate_sglang(self, decode: Any, request_id: str, prompt_ids: list[int],

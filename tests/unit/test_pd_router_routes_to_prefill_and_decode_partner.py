@@ -68,6 +68,12 @@ def test_vllm_flow_prefills_one_token_then_decodes_with_the_handshake(model_dir)
     assert out.extra["pd_decode"] == "decode0"
 
 
+def test_vllm_flow_with_no_room_left_returns_the_prefill_answer(model_dir):
+    router, (_, decode) = _router("vllm", model_dir, 1)
+    full = asyncio.run(router.generate("s", list(range(1, 257)), GREEDY))  # the prompt fills max_model_len
+    assert full.token_ids == [] and full.stop_reason == "length" and decode.seen == []
+
+
 def test_sglang_flow_sends_one_room_to_both_servers(model_dir):
     router, (prefill, decode) = _router("sglang", model_dir, 1)
     out = asyncio.run(router.generate("s", PROMPT, GREEDY))
@@ -111,7 +117,7 @@ def test_weight_updates_and_control_reach_every_member(model_dir):
     assert after.log_probs != before.log_probs
     for member in members:
         # The update is gated router-wide: every member stops admitting before any loads.
-        assert member.events == ["abort_all", "update_weights:3", "clear_kv_cache", "resume_generation",
+        assert list(member.events) == ["abort_all", "update_weights:3", "clear_kv_cache", "resume_generation",
                                  "abort_all", "resume_generation", "release_kv_cache", "wake_up:kv_cache"]
         assert torch.equal(member.model.state_dict()["lm_head.weight"], state["lm_head.weight"])
 
