@@ -411,28 +411,9 @@ def _device() -> torch.device:
 def build_chunks(config: Any, model_kwargs: Mapping[str, Any]) -> list[torch.nn.Module]:
     """GPTModel chunks (one per virtual stage) with packing-capable attention: TransformerEngine's spec when TE is
     importable, else the local spec with SdpaAttention."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-
-    from mrl.engine.megatron import cpu_compat
     from mrl.engine.megatron.attention import sdpa_layer_spec
     from mrl.engine.megatron.model import build_model, transformer_engine_available
 
     if transformer_engine_available():
         return build_model(config, dict(model_kwargs), use_te=True)
-    cpu_compat.apply()
-    vpp = config.virtual_pipeline_model_parallel_size
-    chunks: list[torch.nn.Module] = []
-    for vp_stage in [None] if not vpp or vpp == 1 else list(range(vpp)):
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=sdpa_layer_spec(config, vp_stage=vp_stage),
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            vp_stage=vp_stage,
-            **model_kwargs,
-        )
-        if torch.cuda.is_available():
-            model.cuda(torch.cuda.current_device())
-        chunks.append(model)
-    return chunks
+    return build_model(config, dict(model_kwargs), spec=lambda cfg, vp_stage: sdpa_layer_spec(cfg, vp_stage=vp_stage))
