@@ -39,8 +39,9 @@ class _BalancerActor(LoadBalancer):
 
 
 class LLMServerManager:
-    def __init__(self, spec: ReplicaSpec, mode: RolloutMode | str) -> None:
+    def __init__(self, spec: ReplicaSpec, mode: RolloutMode | str, start_timeout_s: float = 900.0) -> None:
         self.spec = spec
+        self.start_timeout_s = start_timeout_s
         self.mode = RolloutMode(mode)
         self.replicas: dict[int, RolloutReplica] = {}
         self.balancer = ray.remote(_BalancerActor).options(num_cpus=0).remote()
@@ -54,13 +55,14 @@ class LLMServerManager:
         *,
         num_devices: int | None = None,
         pool: Any = None,
+        start_timeout_s: float = 900.0,
     ) -> LLMServerManager:
         """Start every replica in parallel and register them with the balancer.
 
         hybrid / colocated: `pool` is the RayResourcePool to place on (the trainer's for hybrid) and the replica
         count follows from its size. standalone: `num_devices` slots, each replica in its own new pool.
         """
-        manager = cls(spec, mode)
+        manager = cls(spec, mode, start_timeout_s)
         if manager.mode is RolloutMode.STANDALONE:
             if num_devices is None:
                 raise ValueError("a standalone rollout pool needs num_devices (rollout.nnodes × n_gpus_per_node)")
@@ -85,7 +87,15 @@ class LLMServerManager:
             else:
                 starts.append(replica.init_colocated(pool))
         try:
-            ray.get(starts)
+            ray.get(starts, timeout=self.start_timeout_s)
+        except ray.exceptions.GetTimeoutError as error:
+            for replica in new:
+                replica.shutdown(timeout_s=5)
+            raise TimeoutError(
+                f"{count} rollout replica(s) did not start within {self.start_timeout_s:g} s: either the engine is "
+                f"slow to load or its slot's resources ({self.mode.value} mode) are taken; cluster free: "
+                f"{ray.available_resources()}"
+            ) from error
         except Exception:
             for replica in new:
                 replica.shutdown()

@@ -109,6 +109,12 @@ class RolloutReplica:
     def init_hybrid(self, trainer_pool: Any) -> ray.ObjectRef:
         """Place the server on the trainer's slots (the pool the trainer's worker group was built on)."""
         self._require(RolloutMode.HYBRID)
+        if getattr(trainer_pool, "max_colocate_count", 2) < 2:
+            # The trainer's workers already hold whole slots: the server would wait for resources forever.
+            raise ValueError(
+                "a hybrid rollout shares the trainer's device slots: resources.max_colocate_count must be >= 2 "
+                f"(got {trainer_pool.max_colocate_count})"
+            )
         return self._launch(trainer_pool)
 
     def init_colocated(self, pool: Any) -> ray.ObjectRef:

@@ -1,7 +1,7 @@
-"""Replica modes on Ray (hf backend: cheap engines): hybrid replicas land on the trainer pool's slots and follow the
-sleep -> wake(weights) -> update -> wake(kv_cache) protocol (requests wait meanwhile; the wrong wake-up order is
-refused); colocated replicas share a pool's slots; standalone replicas get placement groups of their own; the
-replica count is devices / footprint."""
+"""Replica modes on Ray (hf backend: cheap engines): hybrid replicas land on the trainer pool's slots (refused when the
+pool leaves no share for them) and follow the sleep -> wake(weights) -> update -> wake(kv_cache) protocol (requests
+wait meanwhile; the wrong wake-up order is refused); colocated replicas share a pool's slots; standalone replicas
+get placement groups of their own; the replica count is devices / footprint."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ def placement_groups(manager: LLMServerManager) -> list[str]:
 
 
 def test_hybrid_replicas_sleep_update_wake_in_order(rollout_managers, tiny_model_dir, hf_models):
+    with pytest.raises(ValueError, match="max_colocate_count must be >= 2"):
+        LLMServerManager.create(replica_spec("hf", tiny_model_dir), "hybrid", pool=RayResourcePool([2], use_gpu=False))
     trainer_pool = RayResourcePool([2], use_gpu=False, max_colocate_count=2, cpus_per_slot=1)
     manager = LLMServerManager.create(replica_spec("hf", tiny_model_dir), "hybrid", pool=trainer_pool)
     try:
