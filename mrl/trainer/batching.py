@@ -15,6 +15,7 @@ from mrl.algo.advantages import ADV_ESTIMATORS, AdvantageConfig
 from mrl.algo.rollout_correction import mismatch_metrics
 from mrl.data.batch import Batch
 from mrl.data.jagged import JaggedTensor
+from mrl.reward.placement import place_on_last_token
 
 
 def trajectories_to_batch(trajectories: list[dict[str, Any]]) -> Batch:
@@ -63,6 +64,19 @@ def scalar_advantages(batch: Batch, estimator: str, config: AdvantageConfig) -> 
     ones = torch.ones_like(scores)
     out = ADV_ESTIMATORS.get(estimator)(scores, ones, index=list(batch["uid"]), config=config)
     return out.advantages[:, 0]
+
+
+def token_advantages_and_returns(batch: Batch, estimator: str, config: AdvantageConfig) -> dict[str, JaggedTensor]:
+    """Token-level estimators (GAE) on the padded full-sequence layout: prompt positions are masked, and the
+    estimators treat masked tokens as absent. The score sits on each sample's last model token."""
+    mask, lengths = batch.as_padded("response_mask")
+    values, _ = batch.as_padded("values")
+    rewards = place_on_last_token(batch["score"].float(), mask)
+    out = ADV_ESTIMATORS.get(estimator)(rewards, mask, index=list(batch["uid"]), values=values, config=config)
+    return {
+        "advantages": JaggedTensor.from_padded(out.advantages, lengths),
+        "returns": JaggedTensor.from_padded(out.returns, lengths),
+    }
 
 
 def response_tokens(batch: Batch) -> int:

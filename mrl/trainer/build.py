@@ -18,6 +18,7 @@ from mrl.rollout.replica import Footprint, ReplicaSpec
 from mrl.trainer.metrics import RunLogger
 from mrl.trainer.ppo_trainer import PPOTrainer, TrainerParts
 from mrl.workers.actor_rollout_ref import ActorRolloutRefWorker
+from mrl.workers.critic import CriticWorker
 
 
 def typed(cfg: DictConfig | MrlConfig) -> MrlConfig:
@@ -45,14 +46,18 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
     pool = RayResourcePool(
         [c.resources.n_gpus_per_node] * c.resources.nnodes,
         use_gpu=use_gpu,
-        # A hybrid replica's server shares each slot with the worker that trains there.
-        max_colocate_count=max(c.resources.max_colocate_count, 2 if hybrid else 1),
+        # A hybrid replica's server and the critic share each slot with the worker that trains there.
+        max_colocate_count=max(c.resources.max_colocate_count, 1 + hybrid + c.critic.enable),
         name_prefix=f"mrl_{c.trainer.experiment_name}",
     )
     actor_rollout = RayWorkerGroup(
         pool, RayClassWithInitArgs(ActorRolloutRefWorker, c, with_ref=c.actor.use_kl_loss), name_prefix="actor_rollout"
     )
-    engines_ready = actor_rollout.init_model()  # non-blocking: Megatron builds while the replicas start
+    engines_ready = [actor_rollout.init_model()]  # non-blocking: Megatron builds while the replicas start
+    critic = None
+    if c.critic.enable:
+        critic = RayWorkerGroup(pool, RayClassWithInitArgs(CriticWorker, c), name_prefix="critic")
+        engines_ready.append(critic.init_model())
     spec = rollout_spec(c)
     slots = c.rollout.num_replicas * spec.footprint.devices or None
     if hybrid:
@@ -60,7 +65,8 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
     else:
         own_slots = c.rollout.nnodes * c.rollout.n_gpus_per_node
         rollout = LLMServerManager.create(spec, c.rollout.mode, num_devices=slots or own_slots)
-    engines_ready.get()
+    for ready in engines_ready:
+        ready.get()
     actor_rollout.set_rollout(rollout)
     tokenizer_path = c.model.tokenizer_path or c.model.path
     parts = TrainerParts(
@@ -75,6 +81,7 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
         val_data=RLDataset.from_files(c.data.val_files, c.data.prompt_key) if c.data.val_files else None,
         reward=RewardEvaluator(None if c.reward.reward_fn == "auto" else c.reward.reward_fn,
                                max_workers=c.reward.num_workers, timeout_s=c.reward.timeout_s),
+        critic=critic,
     )
     parts.pool = pool  # type: ignore[attr-defined]
     return PPOTrainer(c, parts, logger or RunLogger(c.trainer.default_local_dir,
@@ -88,5 +95,7 @@ def shutdown(trainer: PPOTrainer) -> None:
     p.agent_loops.shutdown()
     p.rollout.shutdown()
     p.actor_rollout.kill()
+    if p.critic is not None:
+        p.critic.kill()
     if getattr(p, "pool", None) is not None:
         p.pool.remove()

@@ -8,6 +8,7 @@ and override those, never `step()`. Hybrid replicas sleep after sampling and wak
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Iterator
@@ -38,6 +39,18 @@ class TrainerParts:
     val_data: RLDataset | None
     reward: RewardEvaluator
     critic: Any = None
+
+
+TOKEN_LEVEL_ESTIMATORS = ("gae",)
+
+
+def mean_over_updates(per_rank: list[dict[str, Any]], prefix: str = "critic") -> dict[str, float]:
+    """Metrics of every optimizer update of every DP rank, averaged; unprefixed engine keys get `prefix/`."""
+    steps = [s for rank in per_rank for s in rank["steps"]]
+    out = {f"{prefix}/updates": per_rank[0]["updates"]}
+    for key in steps[0] if steps else []:
+        out[key if "/" in key else f"{prefix}/{key}"] = sum(float(s[key]) for s in steps) / len(steps)
+    return out
 
 
 class PPOTrainer:
@@ -84,10 +97,10 @@ class PPOTrainer:
             with t("values"):
                 batch = batch.union(self.parts.critic.compute_values(self.inputs(batch)))
         with t("adv"):
-            batch["advantage"] = batching.scalar_advantages(batch, c.algorithm.adv_estimator, self.adv_config)
+            batch = self.compute_advantage(batch)
         if self.parts.critic is not None:
             with t("update_critic"):
-                critic_metrics = self.parts.critic.update_critic(batch, self.num_updates)
+                critic_out = self.parts.critic.update_critic(self.critic_inputs(batch), self.num_critic_updates)
         with t("update_actor"):
             actor_out = self.parts.actor_rollout.update_actor(self.actor_inputs(batch), self.num_updates)
         self.global_steps += 1
@@ -95,7 +108,7 @@ class PPOTrainer:
             self.sync_weights()
         metrics = self.step_metrics(batch, trajectories, actor_out)
         if self.parts.critic is not None:
-            metrics.update(critic_metrics)
+            metrics.update(mean_over_updates(critic_out))
         if c.trainer.test_freq > 0 and self.global_steps % c.trainer.test_freq == 0 and self.parts.val_data:
             with t("validate"):
                 metrics.update(self.validate())
@@ -158,8 +171,9 @@ class PPOTrainer:
             traj["score"] = result.score
 
     def to_training_batch(self, trajectories: list[dict[str, Any]]) -> Batch:
-        """No-op samples make the count divisible by DP × updates, so every rank makes the same updates."""
-        multiple = self.dp_size * self.num_updates
+        """No-op samples make the count divisible by DP × updates (actor and critic), so every rank makes the
+        same updates."""
+        multiple = self.dp_size * math.lcm(self.num_updates, self.num_critic_updates)
         return batching.trajectories_to_batch(pad_with_noops(trajectories, multiple))
 
     def balance(self, batch: Batch) -> Batch:
@@ -171,6 +185,17 @@ class PPOTrainer:
             batch["old_log_probs"] = batch.jagged_field("rollout_log_probs")
             return batch
         return batch.union(self.parts.actor_rollout.compute_log_prob(self.inputs(batch)))
+
+    def compute_advantage(self, batch: Batch) -> Batch:
+        """Outcome estimators give one scalar per sample (`advantage`); GAE needs the critic's per-token values
+        and gives per-token `advantages` and `returns`."""
+        estimator = self.config.algorithm.adv_estimator
+        if estimator in TOKEN_LEVEL_ESTIMATORS:
+            for key, value in batching.token_advantages_and_returns(batch, estimator, self.adv_config).items():
+                batch[key] = value
+        else:
+            batch["advantage"] = batching.scalar_advantages(batch, estimator, self.adv_config)
+        return batch
 
     def validate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out split (and pass@k with k temperature samples when val_pass_k > 0)."""
@@ -198,6 +223,10 @@ class PPOTrainer:
         return self.config.data.train_batch_size // self.config.actor.ppo_mini_batch_size
 
     @property
+    def num_critic_updates(self) -> int:
+        return self.config.data.train_batch_size // self.config.critic.ppo_mini_batch_size
+
+    @property
     def dp_size(self) -> int:
         return self.parts.actor_rollout.dispatch_layout("actor").n_chunks
 
@@ -211,23 +240,24 @@ class PPOTrainer:
         return batch.select(["input_ids"])
 
     def actor_inputs(self, batch: Batch) -> Batch:
-        keys = ["input_ids", "response_mask", "old_log_probs", "advantage"]
+        keys = ["input_ids", "response_mask", "old_log_probs", "advantages" if "advantages" in batch else "advantage"]
         return batch.select(keys + (["ref_log_prob"] if "ref_log_prob" in batch else []))
+
+    @staticmethod
+    def critic_inputs(batch: Batch) -> Batch:
+        return batch.select(["input_ids", "response_mask", "values", "returns"])
 
     def step_metrics(self, batch: Batch, trajectories: list[dict[str, Any]], actor_out: list[dict]) -> dict:
         real = [t for t in trajectories if not t.get("is_noop")]
         scores = torch.tensor([t["score"] for t in real])
         gen_tokens = sum(sum(t["response_mask"]) for t in real)
-        steps = [s for rank in actor_out for s in rank["steps"]]
         metrics: dict[str, Any] = {
             "reward/mean": float(scores.mean()),
             "response_length/mean": gen_tokens / max(len(real), 1),
-            "actor/updates": actor_out[0]["updates"],
             "buffer/evicted_groups": self.buffer.evicted,
             "perf/gen_tokens_per_s": gen_tokens / max(self.timer.seconds.get("gen", 0.0), 1e-9),
         }
-        for key in steps[0] if steps else []:
-            metrics[key if "/" in key else f"actor/{key}"] = sum(float(s[key]) for s in steps) / len(steps)
+        metrics.update(mean_over_updates(actor_out, prefix="actor"))
         metrics.update(batching.logprob_mismatch(batch))
         self.logger.dump_rollouts(self.global_steps, [
             {"prompt": t["messages"], "response": t["response_text"], "reward": t["score"],

@@ -134,7 +134,8 @@ class ActorRolloutRefWorker(Worker):
     def update_actor(self, batch: Batch, num_updates: int) -> dict[str, Any]:
         """`num_updates` optimizer updates over this DP rank's share (× ppo_epochs); their metrics and count."""
         assert self.actor is not None, "init_model first"
-        batch["advantages"] = token_advantages(batch)
+        if "advantages" not in batch:  # outcome estimators send one scalar per sample
+            batch["advantages"] = token_advantages(batch)
         keys = ["input_ids", "response_mask", "advantages", "old_log_probs"]
         keys += ["ref_log_prob"] if "ref_log_prob" in batch else []
         before = self.actor.updates

@@ -1,0 +1,106 @@
+"""Critic: a Megatron engine that outputs a value per token instead of log-probs, and its worker role.
+
+The value head is row 0 of the (vocab-parallel) output layer: V(s_t) = h_{t−1} · W_out[0]. The critic starts from
+the policy's weights, and a row of the existing output projection is a head Megatron already shards, trains and
+checkpoints — no new parameter the bridge would have to know. Token alignment is the log-probs' (value t from the
+hidden state at t−1, see mrl/engine/base.py), so GAE runs on the same [n, L] layout as everything else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mrl.algo.aggregation import agg_loss
+from mrl.algo.value_loss import clipped_value_loss
+from mrl.config.schema import MrlConfig
+from mrl.controller import Dispatch, Worker, nd_compute, register
+from mrl.data.batch import Batch
+from mrl.engine.megatron.engine import MegatronEngine
+from mrl.engine.megatron.packing import PackedMicroBatch, shift_to_tokens
+from mrl.workers.training_worker import TrainingWorker, jagged_from_flat, to_engine_batch
+
+CRITIC_MESH = "critic"
+VALUE_ROW = 0
+
+
+def value_output_processor(
+    hidden_states: Tensor, output_layer: Any, output_weight: Tensor | None, context: Any, **_: Any
+) -> Tensor:
+    """GPTModel `output_processor` hook: per-position values [b, s] from the value row of the output weight."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import mappings
+
+    weight = output_weight if output_weight is not None else output_layer.weight
+    if output_layer.sequence_parallel:
+        hidden_states = mappings.gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=True)
+    else:
+        hidden_states = mappings.copy_to_tensor_model_parallel_region(hidden_states)
+    # The row lives on TP rank 0 (vocab-parallel shards); other ranks add zeros and the sum is the value.
+    owner = parallel_state.get_tensor_model_parallel_rank() == VALUE_ROW // weight.shape[0]
+    local = hidden_states @ weight[VALUE_ROW % weight.shape[0]] * (1.0 if owner else 0.0)
+    return mappings.reduce_from_tensor_model_parallel_region(local).t()
+
+
+class MegatronValueEngine(MegatronEngine):
+    def _output_processor(self) -> Any:
+        return value_output_processor
+
+    def _token_outputs(self, mb: PackedMicroBatch, output: Any) -> dict[str, Tensor]:
+        return {"values": mb.unpack(shift_to_tokens(output[0], mb.cu_seqlens))}
+
+    def _output_keys(self, entropy: bool) -> list[str]:
+        return ["values"]
+
+
+def make_value_loss_fn(cliprange_value: float, loss_agg_mode: str) -> Any:
+    def loss_fn(outputs: Any, mb: Any, normalizer: Any) -> Any:
+        mask = mb["response_mask"]
+        out = clipped_value_loss(outputs["values"], mb["values"], mb["returns"], mask, cliprange_value)
+        loss = agg_loss(out.loss_mat, mask, loss_agg_mode, normalizer)
+        local = agg_loss(out.loss_mat.detach(), mask, loss_agg_mode, None)
+        return loss, {"critic/vf_loss": local, **{f"critic/{k}": v for k, v in out.metrics.items()}}
+
+    return loss_fn
+
+
+class CriticWorker(Worker):
+    def __init__(self, config: MrlConfig) -> None:
+        super().__init__()
+        torch.set_num_threads(1)
+        self.config = config
+        self.critic: TrainingWorker | None = None
+        self.loss_fn = make_value_loss_fn(config.critic.cliprange_value, config.actor.loss_agg_mode)
+
+    @register(Dispatch.ONE_TO_ALL, blocking=False)
+    def init_model(self) -> None:
+        c = self.config
+        engine = MegatronValueEngine(
+            c.model.path,
+            c.critic.megatron,
+            c.critic.optim,
+            micro_batch_size=c.critic.ppo_micro_batch_size_per_gpu,
+            total_steps=c.trainer.total_training_steps
+            * max(c.data.train_batch_size // c.critic.ppo_mini_batch_size, 1),
+            seed=c.trainer.seed,
+            bridge_backend=c.model.bridge_backend,
+        )
+        engine.initialize()
+        self.critic = TrainingWorker(engine)
+        self.register_mesh(CRITIC_MESH, engine.mesh())
+
+    @register(nd_compute(CRITIC_MESH), pad=True)
+    def compute_values(self, batch: Batch) -> Batch:
+        assert self.critic is not None, "init_model first"
+        out = self.critic.infer_batch(to_engine_batch(batch, ["input_ids"]))
+        return Batch.from_dict({"values": jagged_from_flat(out["values"], batch.jagged_field("input_ids"))})
+
+    @register(nd_compute(CRITIC_MESH))
+    def update_critic(self, batch: Batch, num_updates: int) -> dict[str, Any]:
+        assert self.critic is not None, "init_model first"
+        keys = ["input_ids", "response_mask", "values", "returns"]
+        before = self.critic.updates
+        steps = self.critic.train_batch(to_engine_batch(batch, keys), self.loss_fn, num_updates)
+        return {"updates": self.critic.updates - before, "steps": steps}
