@@ -1,0 +1,1 @@
+"""Command-line tools over recipes and checkpoints: `mrl plan`, `mrl convert`, `mrl report`."""

@@ -1,0 +1,163 @@
+"""Parameter counts and KV-cache sizes of a model, read from its HF `config.json` alone (no weights, no torch).
+
+`mrl plan` needs the shape of models that are not on this machine, so besides a local HF folder a model can come
+from the built-in table: the published `config.json` values of each recipe family, kept beside the recipes as
+`recipes/<family>/models/<HF repo name>.json` and found by the base name of `model.path` (a recipe's placeholder
+`/models/Qwen3-8B` finds `recipes/qwen3/models/Qwen3-8B.json`). Adding a family's size is adding one JSON file.
+
+Counts follow the HF module layout of the supported families (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3):
+attention (GQA with optional q/k/v biases and q/k norms, or MLA's low-rank q and kv paths), a gated MLP or routed
+experts (+ shared experts and a router), two RMSNorms per layer, embeddings and an untied output layer.
+DeepSeek-V3's multi-token-prediction layers are left out, as the bridges leave them out.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mrl.config.loader import RECIPES_DIR
+
+# Qwen2's attention always has q/k/v biases (the HF model hard-codes them, config.json does not say so).
+_QKV_BIAS_ALWAYS = {"qwen2"}
+_QK_NORM = {"qwen3", "qwen3_moe"}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What memory and sync estimates need: parameter counts split by how Megatron shards them."""
+
+    name: str
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    embedding_params: int  # input embedding; the untied output layer has as many again
+    output_params: int
+    # Summed over all layers: everything but routed experts (attention, norms, dense MLPs, routers, shared
+    # experts) is sharded over TP; routed experts over EP × expert-TP.
+    layer_dense_params: int
+    layer_expert_params: int
+    active_params: int  # per token: dense parts plus top-k routed experts
+    kv_bytes_per_token: int  # all layers, bf16, one full replica (before TP/PP splits)
+    kv_heads: int  # KV heads split over rollout TP (0 for MLA, whose latent cache is replicated over TP)
+
+    @property
+    def total_params(self) -> int:
+        return self.embedding_params + self.output_params + self.layer_dense_params + self.layer_expert_params
+
+    @property
+    def is_moe(self) -> bool:
+        return self.layer_expert_params > 0
+
+
+def _attention_params(c: dict[str, Any]) -> int:
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    if c.get("kv_lora_rank"):  # MLA
+        qk_head = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+        q_lora = c.get("q_lora_rank")
+        q = h * q_lora + q_lora + q_lora * heads * qk_head if q_lora else h * heads * qk_head
+        kv_lora = c["kv_lora_rank"]
+        kv_up = kv_lora * heads * (c["qk_nope_head_dim"] + c["v_head_dim"])
+        kv = h * (kv_lora + c["qk_rope_head_dim"]) + kv_lora + kv_up
+        return q + kv + heads * c["v_head_dim"] * h
+    head_dim = c.get("head_dim") or h // heads
+    kv_heads = c.get("num_key_value_heads") or heads
+    q_out, kv_out = heads * head_dim, kv_heads * head_dim
+    params = h * (q_out + 2 * kv_out) + q_out * h
+    if c.get("attention_bias") or c.get("model_type") in _QKV_BIAS_ALWAYS:
+        params += q_out + 2 * kv_out
+    if c.get("model_type") in _QK_NORM:
+        params += 2 * head_dim
+    return params
+
+
+def _num_experts(c: dict[str, Any]) -> int:
+    # Spellings: Qwen3-MoE's published config, DeepSeek, and transformers 5's serialisation of Qwen3-MoE.
+    return int(c.get("num_experts") or c.get("n_routed_experts") or c.get("num_local_experts") or 0)
+
+
+def _is_moe_layer(c: dict[str, Any], layer: int) -> bool:
+    if _num_experts(c) == 0:
+        return False
+    if "first_k_dense_replace" in c:  # DeepSeek
+        return layer >= c["first_k_dense_replace"] and layer % c.get("moe_layer_freq", 1) == 0
+    step = c.get("decoder_sparse_step", 1) or 1
+    return layer not in (c.get("mlp_only_layers") or []) and (layer + 1) % step == 0
+
+
+def _kv_bytes_per_token(c: dict[str, Any], layers: int) -> tuple[int, int]:
+    """(bytes per token over all layers in bf16, KV heads that rollout TP splits)."""
+    if c.get("kv_lora_rank"):
+        # vLLM caches MLA's compressed latent plus the rope key: one vector per token and layer.
+        return 2 * layers * (c["kv_lora_rank"] + c["qk_rope_head_dim"]), 0
+    heads = c["num_attention_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // heads
+    kv_heads = c.get("num_key_value_heads") or heads
+    return 2 * layers * 2 * kv_heads * head_dim, kv_heads
+
+
+def shape_from_config(c: dict[str, Any], name: str = "") -> ModelShape:
+    h, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    mlp = 3 * h * c.get("intermediate_size", 0)  # gate, up, down
+    experts, top_k = _num_experts(c), int(c.get("num_experts_per_tok") or 0)
+    expert_mlp = 3 * h * c.get("moe_intermediate_size", 0)
+    shared = c.get("n_shared_experts") or 0
+    router = h * experts  # DeepSeek's score-correction bias is a buffer, not a parameter
+    attention, norms = _attention_params(c), 2 * h
+    dense = expert = active = 0
+    for layer in range(layers):
+        if _is_moe_layer(c, layer):
+            layer_dense = attention + norms + router + shared * expert_mlp
+            dense += layer_dense
+            expert += experts * expert_mlp
+            active += layer_dense + top_k * expert_mlp
+        else:
+            dense += attention + norms + mlp
+            active += attention + norms + mlp
+    embedding = vocab * h
+    output = 0 if c.get("tie_word_embeddings", False) else vocab * h
+    dense += h  # final norm
+    kv_bytes, kv_heads = _kv_bytes_per_token(c, layers)
+    return ModelShape(
+        name=name or c.get("_name_or_path", ""),
+        architecture=(c.get("architectures") or [c.get("model_type", "?")])[0],
+        hidden_size=h,
+        num_layers=layers,
+        vocab_size=vocab,
+        embedding_params=embedding,
+        output_params=output,
+        layer_dense_params=dense,
+        layer_expert_params=expert,
+        active_params=active + h + embedding + output,
+        kv_bytes_per_token=kv_bytes,
+        kv_heads=kv_heads,
+    )
+
+
+def builtin_configs() -> dict[str, Path]:
+    """Published config.json values by HF repo name (lower-cased), from recipes/<family>/models/*.json."""
+    return {p.stem.lower(): p for p in sorted(RECIPES_DIR.glob("*/models/*.json"))}
+
+
+def resolve_model_config(model_path: str, model_config: str | None = None) -> tuple[dict[str, Any], str]:
+    """(config dict, where it came from): `model_config` (a JSON file or a built-in name) if given, else
+    `<model_path>/config.json` if it exists, else the built-in entry named like the base name of `model_path`."""
+    builtin = builtin_configs()
+    candidates: list[Path] = []
+    if model_config:
+        candidates.append(Path(model_config))
+        candidates.append(builtin.get(Path(model_config).stem.lower(), Path("/nonexistent")))
+    else:
+        candidates.append(Path(model_path) / "config.json")
+        candidates.append(builtin.get(Path(model_path.rstrip("/")).name.lower(), Path("/nonexistent")))
+    for path in candidates:
+        if path.is_file():
+            return json.loads(path.read_text()), str(path)
+    wanted = model_config or model_path
+    raise FileNotFoundError(
+        f"no config.json for {wanted!r}: not an HF folder here, and no built-in shape of that name "
+        f"(built-in: {sorted(p.stem for p in builtin.values())}); pass --model-config PATH_OR_NAME"
+    )

@@ -1,0 +1,240 @@
+"""`mrl plan RECIPE [key=value ...]`: what one training step of a recipe costs, before any device is touched.
+
+Per-step accounting (the seeds' table, verl's conventions):
+- prompts per step B = data.train_batch_size; rollout requests B × n (n = rollout.n);
+- rollout replicas = rollout devices ÷ (rollout TP × DP × PP), where the rollout devices are the trainer's
+  (replica modes hybrid and colocated) or the standalone pool's (rollout.nnodes × rollout.n_gpus_per_node);
+- actor mini-batch M × n samples (M = actor.ppo_mini_batch_size prompts); updates per step B/M × ppo_epochs:
+  n multiplies samples, not updates; per-device batch = M × n ÷ Megatron DP (DP = world ÷ (TP × PP × CP));
+- devices for training and rollout; GPU share per worker 1/max_colocate_count;
+- weight syncs per step (separate_async: updates ÷ parameter_sync_step, else 1) and whether they cross pools.
+Then the per-device memory estimate of `mrl/tools/memory.py`, and problems: every start-up rule the
+configuration breaks (mrl/config/validate.py) plus what cannot fit on the device. The exit status is 1 when the
+recipe cannot start, so scripts can gate on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig
+
+from mrl.config.loader import load_config
+from mrl.config.validate import ConfigError, validate
+from mrl.tools.memory import GiB, MemoryEstimate, estimate
+from mrl.tools.model_shape import ModelShape, resolve_model_config, shape_from_config
+
+# Above this share of device memory the caching allocator's fragmentation usually tips a run into OOM.
+_TIGHT_FRACTION = 0.9
+
+
+@dataclass
+class Accounting:
+    prompts_per_step: int
+    rollout_requests: int
+    max_rollout_requests: int  # with dynamic sampling: refill rounds generate more
+    training_devices: int
+    rollout_devices: int  # devices the rollout replicas occupy (the trainer's own when hybrid/colocated)
+    extra_rollout_devices: int  # devices added for a standalone pool
+    total_devices: int
+    rollout_replica_devices: int  # TP × DP × PP of one replica
+    rollout_replicas: int
+    requests_per_replica: float
+    actor_dp: int
+    mini_batch_samples: int
+    updates_per_step: float
+    samples_per_device_per_update: float
+    micro_batches_per_update: float | None  # None with dynamic batch size (token budget decides)
+    gpu_share_per_worker: float
+    weight_syncs_per_step: float
+    weight_sync_crosses_pools: bool
+    weight_sync_transport: str
+    weight_sync_bytes: int
+    weight_sync_buckets: int
+
+
+@dataclass
+class Plan:
+    recipe: str
+    model: str
+    model_source: str
+    total_params: int
+    active_params: int
+    accounting: Accounting
+    memory: MemoryEstimate
+    problems: list[str] = field(default_factory=list)  # the recipe cannot start
+    notes: list[str] = field(default_factory=list)  # it starts, but something is worth knowing
+
+    @property
+    def can_start(self) -> bool:
+        return not self.problems
+
+
+def accounting(cfg: DictConfig, shape: ModelShape) -> Accounting:
+    res, r, a, ws = cfg.resources, cfg.rollout, cfg.actor, cfg.weight_sync
+    batch, n, mini = cfg.data.train_batch_size, r.n, a.ppo_mini_batch_size
+    m = a.megatron
+    training = res.nnodes * res.n_gpus_per_node
+    standalone = r.mode == "standalone"
+    extra = r.nnodes * r.n_gpus_per_node if standalone else 0
+    rollout_devices = extra if standalone else training
+    footprint = r.tensor_model_parallel_size * r.data_parallel_size * r.pipeline_model_parallel_size
+    replicas = r.num_replicas or rollout_devices // footprint
+    dp = max(training // (m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size), 1)
+    updates = batch / mini * a.ppo_epochs
+    per_device = mini * n / dp
+    micro = None if a.use_dynamic_bsz else per_device / (a.ppo_micro_batch_size_per_gpu or 1)
+    syncs = updates / ws.parameter_sync_step if cfg.trainer.mode == "separate_async" else 1.0
+    sync_bytes = shape.total_params * 2  # the rollout engine receives bf16 weights
+    rounds = cfg.data.max_sample_rounds if cfg.data.dynamic_sampling else 1
+    return Accounting(
+        prompts_per_step=batch,
+        rollout_requests=batch * n,
+        max_rollout_requests=batch * n * rounds,
+        training_devices=training,
+        rollout_devices=rollout_devices,
+        extra_rollout_devices=extra,
+        total_devices=training + extra,
+        rollout_replica_devices=footprint,
+        rollout_replicas=replicas,
+        requests_per_replica=batch * n / replicas if replicas else float("inf"),
+        actor_dp=dp,
+        mini_batch_samples=mini * n,
+        updates_per_step=updates,
+        samples_per_device_per_update=per_device,
+        micro_batches_per_update=micro,
+        gpu_share_per_worker=1 / res.max_colocate_count,
+        weight_syncs_per_step=syncs,
+        weight_sync_crosses_pools=standalone,
+        weight_sync_transport=ws.transport,
+        weight_sync_bytes=sync_bytes,
+        weight_sync_buckets=-(-sync_bytes // (ws.bucket_size_mb * 1024**2)),
+    )
+
+
+def _check(cfg: DictConfig, acc: Accounting, mem: MemoryEstimate, problems: list[str], notes: list[str]) -> None:
+    device = mem.device_bytes
+    train = mem.training_total
+    rollout = mem.rollout
+    assert rollout is not None
+    if acc.rollout_replicas < 1:
+        problems.append(f"rollout: one replica needs {acc.rollout_replica_devices} devices (TP × DP × PP) but the "
+                        f"rollout has {acc.rollout_devices}")
+    elif acc.rollout_devices % acc.rollout_replica_devices:
+        notes.append(f"rollout: {acc.rollout_devices % acc.rollout_replica_devices} of {acc.rollout_devices} "
+                     "rollout devices hold no replica")
+    if train > device:
+        problems.append(f"memory: the training phase needs {train / GiB:.1f} GiB per device, the device has "
+                        f"{device / GiB:.0f} GiB (raise TP/PP/EP, shard the optimizer, recompute activations or "
+                        "lower the token budget)")
+    elif train > _TIGHT_FRACTION * device:
+        notes.append(f"memory: the training phase uses {train / device:.0%} of the device; fragmentation may OOM")
+    if rollout.kv_cache <= 0:
+        problems.append(f"memory: rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} reserves "
+                        f"{rollout.reserved / GiB:.1f} GiB but the weights take {rollout.weights / GiB:.1f} GiB and "
+                        f"the runtime {rollout.overhead / GiB:.1f} GiB: the KV cache budget is "
+                        f"{rollout.kv_cache / GiB:.1f} GiB (raise it or the rollout TP)")
+    elif rollout.sequences_in_kv < 1:
+        problems.append(f"memory: the KV cache holds {rollout.kv_tokens} tokens, less than one sequence of "
+                        f"data.max_prompt_length + data.max_response_length; the inference engine refuses to start")
+    elif acc.requests_per_replica > rollout.sequences_in_kv:
+        notes.append(f"rollout: a replica gets {acc.requests_per_replica:.0f} requests but its KV cache holds "
+                     f"{rollout.sequences_in_kv} full sequences at once (the rest queue)")
+    if cfg.rollout.mode == "colocated" and train + rollout.reserved > device:
+        problems.append(f"memory: a colocated rollout keeps {rollout.reserved / GiB:.1f} GiB while training needs "
+                        f"{train / GiB:.1f} GiB, more than the device's {device / GiB:.0f} GiB")
+    if acc.samples_per_device_per_update % 1:
+        notes.append(f"batch: {acc.mini_batch_samples} samples per update over DP={acc.actor_dp} leave a remainder; "
+                     "the trainer pads with no-op samples")
+
+
+def make_plan(recipe: str, overrides: list[str] | None = None, *, device_gib: float = 80.0,
+              rollout_overhead_gib: float = 2.0, model_config: str | None = None) -> Plan:
+    """The plan of a recipe. Start-up rule violations become problems rather than exceptions, so every number
+    that can still be computed is shown."""
+    cfg = load_config(recipe, overrides, check=False)
+    problems: list[str] = []
+    try:
+        validate(cfg, check_paths=False)
+    except ConfigError as err:
+        problems += [f"config: {v}" for v in err.violations]
+    config, source = resolve_model_config(cfg.model.path, model_config)
+    shape = shape_from_config(config, name=config.get("_name_or_path") or source)
+    acc = accounting(cfg, shape)
+    mem = estimate(cfg, shape, device_gib, rollout_overhead_gib)
+    plan = Plan(recipe, shape.name, source, shape.total_params, shape.active_params, acc, mem, problems)
+    _check(cfg, acc, mem, plan.problems, plan.notes)
+    return plan
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:8.2f} GiB"
+
+
+def render(plan: Plan) -> str:
+    a, mem = plan.accounting, plan.memory
+    lines = [
+        f"recipe {plan.recipe}: {plan.model_source}",
+        f"  parameters {plan.total_params / 1e9:.2f} B total, {plan.active_params / 1e9:.2f} B active per token",
+        "per step",
+        f"  prompts per step (B)              {a.prompts_per_step}",
+        f"  rollout requests (B x n)          {a.rollout_requests}"
+        + (f" (up to {a.max_rollout_requests} with dynamic sampling)" if a.max_rollout_requests > a.rollout_requests
+           else ""),
+        f"  rollout replicas                  {a.rollout_replicas} = {a.rollout_devices} devices / "
+        f"{a.rollout_replica_devices} (TP x DP x PP); {a.requests_per_replica:.1f} requests each",
+        f"  actor mini-batch (M x n samples)  {a.mini_batch_samples}",
+        f"  updates per step (B/M x epochs)   {a.updates_per_step:g}",
+        f"  samples per device per update     {a.samples_per_device_per_update:g} (actor DP={a.actor_dp})"
+        + (f", {a.micro_batches_per_update:g} micro-batches" if a.micro_batches_per_update is not None else ""),
+        f"  devices                           {a.training_devices} training + {a.extra_rollout_devices} rollout-only "
+        f"= {a.total_devices}",
+        f"  GPU share per worker              {a.gpu_share_per_worker:.3f}",
+        f"  weight syncs per step             {a.weight_syncs_per_step:g} "
+        f"({'across pools' if a.weight_sync_crosses_pools else 'same devices'}, {a.weight_sync_transport}, "
+        f"{a.weight_sync_bytes / GiB:.1f} GiB in {a.weight_sync_buckets} buckets)",
+        f"memory per device ({mem.device_bytes / GiB:.0f} GiB device)",
+    ]
+    for e in mem.training:
+        lines.append(f"  {e.role:7s} params {_gib(e.params)}  grads {_gib(e.grads)}  optimizer {_gib(e.optimizer)}"
+                     f"  activations {_gib(e.activations)}  = {_gib(e.total)}")
+    lines.append(f"  training phase total                {_gib(mem.training_total)}")
+    if (r := mem.rollout) is not None:
+        lines.append(f"  rollout reserve {_gib(r.reserved)}: weights {_gib(r.weights)}, runtime {_gib(r.overhead)},"
+                     f" KV cache {_gib(r.kv_cache)} = {r.kv_tokens} tokens, {r.sequences_in_kv} full sequences")
+    lines += [f"CANNOT START: {p}" for p in plan.problems] + [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+def to_json(plan: Plan) -> dict[str, Any]:
+    out = asdict(plan)
+    out["can_start"] = plan.can_start
+    out["memory"]["training_total"] = plan.memory.training_total
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="recipes/<family>/<name> without .yaml, or a path to a YAML file")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. rollout.n=8")
+    parser.add_argument("--device-memory-gib", type=float, default=80.0,
+                        help="memory of one device (80 for H100/A100-80G, 141 for H200)")
+    parser.add_argument("--rollout-overhead-gib", type=float, default=2.0,
+                        help="inference engine memory besides weights and KV cache (activation profile, graphs)")
+    parser.add_argument("--model-config", default=None,
+                        help="an HF config.json, or a built-in name (e.g. Qwen3-8B), instead of model.path")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        plan = make_plan(args.recipe, args.overrides, device_gib=args.device_memory_gib,
+                         rollout_overhead_gib=args.rollout_overhead_gib, model_config=args.model_config)
+    except FileNotFoundError as err:
+        print(err, file=sys.stderr)
+        return 2
+    print(json.dumps(to_json(plan), indent=2) if args.json else render(plan))
+    return 0 if plan.can_start else 1

@@ -1,0 +1,120 @@
+"""`mrl plan` reproduces the seeds' per-step accounting and a hand-computed memory estimate.
+
+The two configurations are the seeds' groups A and B (verl's defaults: B=1024 prompts, M=256, 8 trainer GPUs,
+rollout TP=2): colocated with n=1 reads 1024 requests / 4 updates / 4 replicas / 8 GPUs, and separate_async with
+n=8 and a standalone pool of 4 GPUs reads 8192 / 4 / 2 / 12 with one cross-pool weight sync per step.
+"""
+
+import json
+
+import pytest
+
+from mrl.cli import main
+from mrl.tools.plan import make_plan
+
+GiB = 1024**3
+SEED_DEFAULTS = [
+    "resources.nnodes=1", "resources.n_gpus_per_node=8", "resources.max_colocate_count=3",
+    "data.train_batch_size=1024", "actor.ppo_mini_batch_size=256", "actor.ppo_epochs=1",
+    "rollout.tensor_model_parallel_size=2", "rollout.data_parallel_size=1", "rollout.pipeline_model_parallel_size=1",
+]
+
+
+def test_colocated_group_a_reads_1024_requests_4_updates_4_replicas_8_gpus():
+    plan = make_plan("qwen3/8b_grpo", [*SEED_DEFAULTS, "rollout.n=1"])
+    a = plan.accounting
+    assert (a.prompts_per_step, a.rollout_requests, a.updates_per_step, a.rollout_replicas) == (1024, 1024, 4, 4)
+    assert (a.training_devices, a.extra_rollout_devices, a.total_devices) == (8, 0, 8)
+    assert a.mini_batch_samples == 256
+    # Actor TP=2 on 8 GPUs: DP=4, so each device trains on 256 / 4 samples per update.
+    assert (a.actor_dp, a.samples_per_device_per_update) == (4, 64)
+    assert a.gpu_share_per_worker == pytest.approx(1 / 3)
+    assert a.weight_syncs_per_step == 1 and not a.weight_sync_crosses_pools
+    assert plan.can_start, plan.problems
+
+
+def test_separate_async_group_b_reads_8192_requests_4_updates_2_replicas_12_gpus_and_syncs_across_pools():
+    overrides = [*SEED_DEFAULTS, "rollout.n=8", "trainer.mode=separate_async", "rollout.mode=standalone",
+                 "rollout.nnodes=1", "rollout.n_gpus_per_node=4", "weight_sync.transport=nccl",
+                 "weight_sync.parameter_sync_step=4"]
+    a = make_plan("qwen3/8b_grpo", overrides).accounting
+    assert (a.rollout_requests, a.updates_per_step, a.rollout_replicas, a.total_devices) == (8192, 4, 2, 12)
+    assert (a.rollout_devices, a.extra_rollout_devices) == (4, 4)
+    # n multiplies the mini-batch too, so the update count does not change with n.
+    assert (a.mini_batch_samples, a.samples_per_device_per_update) == (2048, 512)
+    assert a.weight_syncs_per_step == 1 and a.weight_sync_crosses_pools
+    assert a.requests_per_replica == 4096
+
+
+def test_weight_syncs_follow_parameter_sync_step_and_epochs_multiply_updates():
+    overrides = [*SEED_DEFAULTS, "rollout.n=8", "trainer.mode=separate_async", "rollout.mode=standalone",
+                 "rollout.nnodes=1", "rollout.n_gpus_per_node=4", "weight_sync.transport=nccl",
+                 "weight_sync.parameter_sync_step=2", "actor.ppo_mini_batch_size=512", "actor.ppo_epochs=2"]
+    a = make_plan("qwen3/8b_grpo", overrides).accounting
+    assert a.updates_per_step == 1024 / 512 * 2
+    assert a.weight_syncs_per_step == 2
+
+
+def _qwen3_8b_params() -> dict[str, int]:
+    # Qwen3-8B's published shape: h=4096, 36 layers, 32 query / 8 KV heads of 128, MLP 12288, vocab 151936.
+    h, heads, kv, hd, inter, vocab, layers = 4096, 32, 8, 128, 12288, 151936, 36
+    layer = h * (heads * hd + 2 * kv * hd) + heads * hd * h + 2 * hd + 3 * h * inter + 2 * h
+    return {"layers": layers * layer + h, "embedding": vocab * h}
+
+
+def test_memory_estimate_matches_hand_computed_qwen3_8b_tp2_dp4_bf16():
+    p = _qwen3_8b_params()
+    plan = make_plan("qwen3/8b_grpo", [*SEED_DEFAULTS, "rollout.n=1", "actor.use_kl_loss=false"])
+    assert plan.total_params == p["layers"] + 2 * p["embedding"]
+    (actor,) = plan.memory.training
+    per_device = (p["layers"] + 2 * p["embedding"]) / 2  # TP=2, PP=1: every layer and both vocab tables / 2
+    assert actor.params == pytest.approx(2 * per_device)  # bf16
+    assert actor.grads == pytest.approx(4 * per_device)  # fp32 gradient buffer
+    assert actor.optimizer == pytest.approx(12 * per_device / 4)  # fp32 master + 2 moments over DP=4
+    # Full recompute with SP: each layer keeps its 2-byte input, split over TP; 16384-token micro-batches.
+    assert actor.activations == pytest.approx(2 * 16384 * 4096 / 2 * 36)
+    r = plan.memory.rollout
+    weights = 2 * plan.total_params / 2  # bf16 over rollout TP=2
+    assert r.weights == pytest.approx(weights)
+    assert r.kv_cache == pytest.approx(0.6 * 80 * GiB - weights - 2 * GiB)
+    kv_per_token = 2 * 36 * 2 * (8 / 2) * 128  # K and V, 36 layers, bf16, 4 of 8 KV heads per TP rank
+    assert r.kv_bytes_per_token == kv_per_token
+    assert r.kv_tokens == int(r.kv_cache // kv_per_token)
+
+
+def test_kv_budget_at_or_below_zero_cannot_start():
+    # 0.2 of 80 GiB is 16 GiB, short of 15.3 GiB of unsplit bf16 weights plus the 2 GiB runtime; of 141 GiB it fits.
+    overrides = ["rollout.gpu_memory_utilization=0.2", "rollout.tensor_model_parallel_size=1"]
+    plan = make_plan("qwen3/8b_grpo", overrides)
+    assert not plan.can_start
+    assert any("KV cache budget" in p for p in plan.problems)
+    bigger = make_plan("qwen3/8b_grpo", overrides, device_gib=141)
+    assert bigger.can_start, bigger.problems
+
+
+def test_training_that_exceeds_device_memory_cannot_start():
+    plan = make_plan("qwen3/8b_grpo", ["actor.megatron.tensor_model_parallel_size=1",
+                                       "actor.megatron.use_distributed_optimizer=false",
+                                       "actor.megatron.recompute_granularity=null"])
+    assert any("training phase needs" in p for p in plan.problems)
+
+
+def test_rollout_replica_larger_than_its_devices_cannot_start():
+    plan = make_plan("qwen3/8b_grpo", ["rollout.tensor_model_parallel_size=16"])
+    assert plan.accounting.rollout_replicas == 0
+    assert any("one replica needs 16 devices" in p for p in plan.problems)
+
+
+def test_start_up_rule_violations_are_problems_and_the_cli_exits_1(capsys):
+    assert main(["plan", "qwen3/8b_grpo_separate_async", "weight_sync.parameter_sync_step=3"]) == 1
+    out = capsys.readouterr().out
+    assert "CANNOT START: config: weight_sync.parameter_sync_step=3" in out
+    assert "rollout requests (B x n)          1024" in out
+
+
+def test_cli_json_output_carries_the_accounting(capsys):
+    assert main(["plan", "qwen3/8b_grpo", "--json", "--device-memory-gib", "141"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["can_start"] is True
+    assert plan["accounting"]["updates_per_step"] == 4
+    assert plan["memory"]["device_bytes"] == 141 * GiB
