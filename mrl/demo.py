@@ -25,8 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/demo", help="folder for the model, data, metrics and rollout dumps")
     parser.add_argument("--rollout", default="vllm", choices=["vllm", "hf"], help="rollout backend")
     parser.add_argument("--steps", type=int, default=30, help="GRPO steps")
-    parser.add_argument("--lr", type=float, default=None, help="actor learning rate (default: the recipe's)")
-    parser.add_argument("--warmup-steps", type=int, default=100, help="supervised warm-up steps (0: none)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="actor learning rate")
+    parser.add_argument("--warmup-steps", type=int, default=75, help="supervised warm-up steps (0: none)")
     parser.add_argument("--length", type=int, default=4, help="digits per string")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--control", action="store_true", help="also run the same GRPO with lr 0")
@@ -67,6 +67,7 @@ def grpo(label: str, paths: dict[str, Any], args: argparse.Namespace, lr: float 
         f"data.val_files=[{paths['val']}]",
         f"data.max_response_length={args.length + 4}",
         f"rollout.name={args.rollout}",
+        "rollout.n=8",
         f"trainer.total_training_steps={args.steps}",
         f"trainer.seed={args.seed}",
         f"trainer.experiment_name={label}",

@@ -130,10 +130,10 @@ class PPOTrainer:
     def sync_weights(self) -> None:
         hybrid = self.config.rollout.mode == "hybrid"
         if hybrid:
-            self.parts.actor_rollout.offload()
             self.parts.rollout.wake_up(["weights"])
         self.parts.actor_rollout.update_weights(self.global_steps)
-        if hybrid:
+        if hybrid:  # the export needed the actor's weights on the device; now the rollout gets the memory back
+            self.parts.actor_rollout.offload()
             self.parts.rollout.wake_up(["kv_cache"])
 
     def on_step_end(self, metrics: dict[str, Any]) -> None:
