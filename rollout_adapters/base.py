@@ -309,6 +309,8 @@ async def _aiter(items: Iterable[bytes] | AsyncIterator[bytes]) -> AsyncIterator
 ADAPTERS = {
     "vllm": "rollout_adapters.vllm.adapter:VLLMAdapter",
     "hf": "rollout_adapters.hf.adapter:HFAdapter",
+    "sglang": "rollout_adapters.sglang.adapter:SGLangAdapter",
+    "trtllm": "rollout_adapters.trtllm.adapter:TRTLLMAdapter",
 }
 
 

@@ -51,7 +51,12 @@ def test_layouts_and_replica_count():
         Footprint(pp=2).check("hf")
     with pytest.raises(ValueError, match="'hf' backend runs one device"):
         Footprint(tp=2).check("hf")
+    with pytest.raises(ValueError, match=r"pipeline_model_parallel_size=2: the 'sglang'"):
+        Footprint(pp=2).check("sglang")
+    with pytest.raises(ValueError, match="not a known backend"):
+        Footprint().check("tgi")
     Footprint(tp=2, pp=2).check("vllm")
+    Footprint(tp=2, pp=2).check("trtllm")
     assert Footprint(tp=2, dp=2, pp=2).devices == 8
     assert replica_count(8, 2) == 4
     with pytest.raises(ValueError, match="multiple of the replica footprint"):
