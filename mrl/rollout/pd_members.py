@@ -25,7 +25,7 @@ from mrl.rollout.pd import (
     vllm_member_env,
 )
 from mrl.rollout.replica import ReplicaSpec
-from mrl.rollout.server import SERVER_ENV, RolloutServer
+from mrl.rollout.server import SERVER_ENV, RolloutServer, restore_niceness
 from rollout_adapters.base import StopReason
 from rollout_adapters.sglang import protocol as sglang_protocol
 from rollout_adapters.sglang.adapter import SGLangAdapter
@@ -87,6 +87,7 @@ class PDMemberServer(RolloutServer):
         import time
 
         start = time.monotonic()
+        restore_niceness()  # as RolloutServer.start: the engine's processes inherit this thread's niceness
         self.adapter = PD_ADAPTERS[self.backend](self.model_path, **self.adapter_kwargs)
         await self.adapter.start()
         return time.monotonic() - start
@@ -208,6 +209,7 @@ class _PDRouterActor(PDRouter):
     """PDRouter over member server actors (the router's process only routes; it holds no engine)."""
 
     def __init__(self, backend: str, prefill: Any, decodes: list[Any], bootstrap: tuple[str, int] | None) -> None:
+        restore_niceness()  # every request passes through the router: it must not run deprioritised
         super().__init__(backend, ActorMember(prefill), [ActorMember(d) for d in decodes], bootstrap)
 
     async def wait_started(self, starts: list[ray.ObjectRef]) -> list[float]:
