@@ -148,6 +148,8 @@ class RolloutConfig:
     max_turns: int = 4
     # Replicas to start (0: as many as the trainer's device slots hold, one per TP×DP×PP footprint).
     num_replicas: int = 0
+    # Extra engine arguments passed to the backend verbatim (e.g. vLLM's max_num_batched_tokens).
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -183,3 +183,27 @@ def _model_path(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
         yield Violation("model.path", path, "must name an HF model folder (config.json, safetensors, tokenizer)")
     elif check_paths and not os.path.isfile(os.path.join(path, "config.json")):
         yield Violation("model.path", path, "no config.json there; it must be a local HF model folder")
+
+
+AGENT_LOOPS = ("single_turn", "tool")
+
+
+@rule
+def _trainer_roles(cfg: DictConfig, _: bool) -> Iterator[Violation]:
+    yield from _one_of(cfg, "rollout.agent_loop", AGENT_LOOPS)
+    yield from _at_least(cfg, "rollout.agent_loop_workers", 1)
+    yield from _at_least(cfg, "data.max_sample_rounds", 1)
+    estimator, critic = _get(cfg, "algorithm.adv_estimator"), _get(cfg, "critic.enable")
+    if estimator == "gae" and not critic:
+        yield Violation("algorithm.adv_estimator", estimator, "GAE needs critic values: set critic.enable=true")
+    batch, mini = _get(cfg, "data.train_batch_size"), _get(cfg, "critic.ppo_mini_batch_size")
+    if critic and (mini < 1 or batch % mini):
+        yield Violation("critic.ppo_mini_batch_size", mini,
+                        f"must divide data.train_batch_size={batch} (the critic's updates per step)")
+    replicas = _get(cfg, "rollout.num_replicas")
+    footprint = (_get(cfg, "rollout.tensor_model_parallel_size") * _get(cfg, "rollout.data_parallel_size")
+                 * _get(cfg, "rollout.pipeline_model_parallel_size"))
+    if _get(cfg, "rollout.mode") == "hybrid" and replicas * footprint > trainer_world_size(cfg):
+        yield Violation("rollout.num_replicas", replicas,
+                        f"{replicas} hybrid replicas of {footprint} devices exceed the trainer's "
+                        f"{trainer_world_size(cfg)} device slots")

@@ -104,6 +104,9 @@ class PPOTrainer:
         with t("update_actor"):
             actor_out = self.parts.actor_rollout.update_actor(self.actor_inputs(batch), self.num_updates)
         self.global_steps += 1
+        if c.trainer.save_freq > 0 and self.global_steps % c.trainer.save_freq == 0:
+            with t("save_checkpoint"):
+                self.save_checkpoint()
         with t("update_weights"):
             self.sync_weights()
         metrics = self.step_metrics(batch, trajectories, actor_out)
@@ -196,6 +199,12 @@ class PPOTrainer:
         else:
             batch["advantage"] = batching.scalar_advantages(batch, estimator, self.adv_config)
         return batch
+
+    def save_checkpoint(self) -> None:
+        root = f"{self.config.trainer.default_local_dir}/global_step_{self.global_steps}"
+        self.parts.actor_rollout.save_checkpoint(f"{root}/actor")
+        if self.parts.critic is not None:
+            self.parts.critic.save_checkpoint(f"{root}/critic")
 
     def validate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out split (and pass@k with k temperature samples when val_pass_k > 0)."""

@@ -104,3 +104,8 @@ class CriticWorker(Worker):
         before = self.critic.updates
         steps = self.critic.train_batch(to_engine_batch(batch, keys), self.loss_fn, num_updates)
         return {"updates": self.critic.updates - before, "steps": steps}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        assert self.critic is not None, "init_model first"
+        self.critic.save_checkpoint(path)
