@@ -1,0 +1,188 @@
+"""`mrl convert`: HF ⇄ Megatron dist-checkpoint at any TP/PP/EP, and RL (engine) checkpoints → HF for serving.
+
+    mrl convert to-megatron HF_DIR OUT_DIR --tp 2 --pp 1 --ep 1
+    mrl convert to-hf CKPT_DIR OUT_DIR [--hf-config HF_DIR] [--tp 1 ...]
+
+Both directions run the bridge of the model's family (bridges/) inside N local processes that form one
+torch.distributed world (gloo on CPU, NCCL on GPU; mrl/utils/distributed.py), N = PP × lcm(TP, EP × expert-TP):
+each rank reads only its slices of the HF safetensors, and the checkpoint is written with Megatron's
+dist-checkpointing (mrl/engine/megatron/checkpoint.py), so it loads under any other layout later. Under torchrun
+(`torchrun --nproc-per-node N -m mrl.tools.convert ...`, e.g. across nodes) the ranks are torchrun's.
+
+A Megatron checkpoint written here carries `hf_config/` (the HF config and tokenizer files) and
+`mrl_convert.json` (layout and dtype), so `to-hf` needs no other input. An RL checkpoint written by the engine
+(`save_checkpoint`: model, optimizer, LR schedule) has neither: pass `--hf-config` (the run's model.path) and the
+layout it was saved with when it used virtual pipeline stages; only the model weights are read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+METADATA = "mrl_convert.json"
+HF_CONFIG_DIR = "hf_config"
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    vpp: int | None = None
+
+    def world_size(self) -> int:
+        """Fewest processes that hold this layout: PP stages of lcm(TP, EP × expert-TP) ranks (the rest is DP)."""
+        return self.pp * math.lcm(self.tp, self.ep * (self.etp or self.tp))
+
+
+@dataclass(frozen=True)
+class ToMegatron:
+    hf: str
+    out: str
+    layout: Layout = field(default_factory=Layout)
+    dtype: str | None = None  # None: the HF config's dtype
+
+
+@dataclass(frozen=True)
+class ToHF:
+    checkpoint: str
+    out: str
+    layout: Layout = field(default_factory=Layout)
+    hf_config: str | None = None  # None: <checkpoint>/hf_config
+    dtype: str | None = None  # None: the recorded dtype, else the HF config's
+
+
+def _torch_dtype(name: str | None, hf_config: Any) -> Any:
+    import torch
+
+    if name is None:
+        name = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32")
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def _build(hf_folder: str, layout: Layout, dtype_name: str | None) -> tuple[Any, list[Any], Any]:
+    """(bridge, model chunks of this rank, dtype) under `layout`, with the engine's layer spec."""
+    from bridges import bridge_from_hf
+    from mrl.engine.megatron.engine import build_chunks
+    from mrl.engine.megatron.model import runtime_config
+    from mrl.engine.megatron.parallel import ParallelLayout, initialize_model_parallel
+
+    parallel = ParallelLayout(tp=layout.tp, pp=layout.pp, vpp=layout.vpp, ep=layout.ep, etp=layout.etp)
+    initialize_model_parallel(parallel)
+    bridge = bridge_from_hf(hf_folder)
+    dtype = _torch_dtype(dtype_name, bridge.hf_config)
+    fields = runtime_config(parallel, params_dtype=dtype)
+    chunks = build_chunks(bridge.transformer_config(**fields), bridge.model_kwargs())
+    return bridge, chunks, dtype
+
+
+def to_megatron(step: ToMegatron) -> None:
+    import torch.distributed as dist
+
+    from bridges.hf_io import copy_hf_metadata
+    from mrl.engine.megatron import checkpoint
+
+    bridge, chunks, dtype = _build(step.hf, step.layout, step.dtype)
+    bridge.load_hf(chunks, step.hf)
+    checkpoint.save(step.out, chunks)
+    if dist.get_rank() == 0:
+        copy_hf_metadata(step.hf, Path(step.out) / HF_CONFIG_DIR)
+        meta = {"layout": asdict(step.layout), "dtype": str(dtype).removeprefix("torch."),
+                "architecture": type(bridge).__name__, "source": os.path.abspath(step.hf)}
+        (Path(step.out) / METADATA).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def to_hf(step: ToHF) -> None:
+    from mrl.engine.megatron import checkpoint
+
+    hf_config = step.hf_config or str(Path(step.checkpoint) / HF_CONFIG_DIR)
+    if not (Path(hf_config) / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {hf_config}: pass --hf-config (the run's HF model folder)")
+    recorded = read_metadata(step.checkpoint).get("dtype")
+    bridge, chunks, dtype = _build(hf_config, step.layout, step.dtype or recorded)
+    checkpoint.load(step.checkpoint, chunks)
+    bridge.save_hf(chunks, step.out, source=hf_config, dtype=dtype)
+
+
+def run_steps(rank: int, world_size: int, steps: list[ToMegatron | ToHF]) -> None:
+    """Rank body: join the world, run each step under its own layout (the world stays up between steps)."""
+    import torch.distributed as dist
+
+    from mrl.engine.megatron.parallel import init_distributed, teardown
+
+    init_distributed()
+    try:
+        for step in steps:
+            (to_megatron if isinstance(step, ToMegatron) else to_hf)(step)
+            dist.barrier()
+    finally:
+        teardown()
+
+
+def read_metadata(checkpoint_dir: str) -> dict[str, Any]:
+    path = Path(checkpoint_dir) / METADATA
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def execute(steps: list[ToMegatron | ToHF], *, timeout_s: float = 24 * 3600.0) -> None:
+    """Run the steps in a world big enough for every layout: spawned locally, or in place under torchrun."""
+    from mrl.utils.distributed import launch
+
+    world = max(math.lcm(*(s.layout.world_size() for s in steps)), 1)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        run_steps(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), steps)
+    else:
+        launch(run_steps, world, steps, timeout_s=timeout_s)
+
+
+def _layout_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
+    parser.add_argument("--pp", type=int, default=None, help="pipeline-parallel size")
+    parser.add_argument("--ep", type=int, default=None, help="expert-parallel size")
+    parser.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: TP)")
+    parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank")
+    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
+    parser.add_argument("--timeout-s", type=float, default=24 * 3600.0)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="direction", required=True)
+    mcore = sub.add_parser("to-megatron", help="HF folder -> Megatron dist-checkpoint")
+    mcore.add_argument("hf", help="HF model folder (config.json + safetensors)")
+    mcore.add_argument("out", help="empty output folder")
+    _layout_args(mcore)
+    hf = sub.add_parser("to-hf", help="Megatron dist-checkpoint (converted or an RL run's) -> HF folder")
+    hf.add_argument("checkpoint", help="dist-checkpoint folder")
+    hf.add_argument("out", help="output HF folder")
+    hf.add_argument("--hf-config", default=None, help="HF folder with the model's config.json and tokenizer")
+    _layout_args(hf)
+
+
+def steps_from_args(args: argparse.Namespace) -> list[ToMegatron | ToHF]:
+    recorded = read_metadata(args.checkpoint).get("layout", {}) if args.direction == "to-hf" else {}
+    given = {k: getattr(args, k) for k in ("tp", "pp", "ep", "etp", "vpp") if getattr(args, k) is not None}
+    layout = Layout(**{**recorded, **given})
+    if args.direction == "to-megatron":
+        return [ToMegatron(args.hf, args.out, layout, args.dtype)]
+    return [ToHF(args.checkpoint, args.out, layout, args.hf_config, args.dtype)]
+
+
+def run(args: argparse.Namespace) -> int:
+    steps = steps_from_args(args)
+    execute(steps, timeout_s=args.timeout_s)
+    print(f"wrote {steps[0].out}")
+    return 0
+
+
+if __name__ == "__main__":  # `torchrun ... -m mrl.tools.convert to-megatron ...`
+    _parser = argparse.ArgumentParser(prog="mrl convert")
+    add_arguments(_parser)
+    sys.exit(run(_parser.parse_args()))
