@@ -1,8 +1,10 @@
-"""PPO with a critic: a Megatron value engine (value head = a row of the output layer) in its own worker group on
-the trainer's slot, GAE on the driver, HF rollout replica (hybrid).
+"""PPO with a critic and a KL loss to a reference policy: a Megatron value engine (value head = a row of the
+output layer) in its own worker group on the trainer's slot, the reference engine beside the actor in the actor's
+workers, GAE on the driver, HF rollout replica (hybrid).
 
-Proves: the critic makes critic.ppo_mini_batch_size-sized updates (B/M per step) and its values move; with
-γ = λ = 1 the GAE returns on every model token equal the trajectory's score, and prompt tokens carry none.
+Proves: the critic makes B/M updates per step and its values move; with γ = λ = 1 the GAE returns on every model
+token equal the trajectory's score, and prompt tokens carry none; before any update the reference log-probs equal
+the actor's (two engines of the same weights in one process), and the KL term enters the actor loss.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def trainer(ray_cluster, tmp_path_factory):
         f"data.train_batch_size={B}", f"actor.ppo_mini_batch_size={M}", f"critic.ppo_mini_batch_size={M}",
         f"rollout.n={N}", "data.max_response_length=8", "rollout.name=hf", "critic.enable=true",
         "critic.ppo_micro_batch_size_per_gpu=2", "algorithm.adv_estimator=gae", "algorithm.gamma=1.0",
-        "algorithm.lam=1.0", "critic.optim.lr=1e-2", "trainer.total_training_steps=2",
+        "algorithm.lam=1.0", "critic.optim.lr=1e-2", "actor.use_kl_loss=true", "actor.kl_loss_coef=0.1",
+        "trainer.total_training_steps=2",
         "trainer.val_before_train=false", "trainer.test_freq=-1", f"trainer.default_local_dir={root / 'run'}",
         f"reward.reward_fn='{__name__}:odd_length_reward'",
     ])
@@ -60,6 +63,8 @@ def test_ppo_steps_train_the_critic_and_gae_returns_equal_scores(trainer):
     first = trainer.step()
     batch = trainer.batch
     assert first["critic/updates"] == B // M and first["actor/updates"] == B // M
+    ref, old = batch.jagged_field("ref_log_prob").values, batch.jagged_field("old_log_probs").values
+    assert torch.allclose(ref, old, atol=1e-5) and "actor/kl_loss" in first
     assert torch.isfinite(torch.tensor(first["critic/vf_loss"]))
     mask = batch.as_list("response_mask")
     for i, returns in enumerate(batch.as_list("returns")):
