@@ -1,0 +1,161 @@
+"""`mrl report RUN_DIR`: render a run's curves to one PNG (reward, response length, timing breakdown, mismatch).
+
+Input: `RUN_DIR/metrics.jsonl` (or a .jsonl path), as the trainer's `RunLogger` (mrl/trainer/metrics.py) writes it:
+one JSON object per line with `step` and flat metric keys. The keys drawn:
+
+| panel | keys |
+| --- | --- |
+| reward | `reward/mean`; validation keys `val/*` (e.g. `val/greedy_acc`, `val/pass@4`) dashed, on their own steps |
+| response length | `response_length/mean` (and `response_length/max`, `response_length/min` when present) |
+| time per step | every `timing_s/<stage>` but `timing_s/step`, stacked per step; `timing_s/step` as the total line |
+| rollout vs training | `rollout/logprob_mismatch` (mean exp(abs(Δ log p)), DESIGN.md's bf16 bound 1.05 drawn) |
+
+A record without a key is skipped for that key (validation-only records carry no reward, for example); a panel
+with no data says which key it looked for. Needs matplotlib (`pip install matplotlib`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+MISMATCH_BOUND = 1.05  # DESIGN.md: logprob_mismatch stays <= 1.05 in bf16
+REWARD, LENGTH, MISMATCH, STEP_TIME = "reward/mean", "response_length/mean", "rollout/logprob_mismatch", "timing_s/step"
+
+
+def metrics_file(run: str | Path) -> Path:
+    path = Path(run)
+    return path if path.suffix == ".jsonl" else path / "metrics.jsonl"
+
+
+def load_records(path: Path) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def series(records: Iterable[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of the records that carry a finite number for `key`, in file order."""
+    steps, values = [], []
+    for r in records:
+        v = r.get(key)
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+            steps.append(r.get("step", len(steps)))
+            values.append(float(v))
+    return steps, values
+
+
+def _keys(records: list[dict[str, Any]], prefix: str) -> list[str]:
+    seen: dict[str, None] = {}
+    for r in records:
+        seen.update((k, None) for k in r if k.startswith(prefix))
+    return list(seen)
+
+
+def _empty(ax: Any, key: str) -> None:
+    ax.text(0.5, 0.5, f"no {key} in metrics", ha="center", va="center", transform=ax.transAxes, color="gray")
+
+
+def _reward(ax: Any, records: list[dict[str, Any]]) -> bool:
+    drew = False
+    for key in [REWARD, *_keys(records, "val/")]:
+        steps, values = series(records, key)
+        if steps:
+            ax.plot(steps, values, "-" if key == REWARD else "--", marker="." if key != REWARD else None, label=key)
+            drew = True
+    if drew:
+        ax.legend(fontsize=8)
+    return drew
+
+
+def _lines(ax: Any, records: list[dict[str, Any]], keys: list[str]) -> bool:
+    drew = False
+    for key in keys:
+        steps, values = series(records, key)
+        if steps:
+            ax.plot(steps, values, label=key)
+            drew = True
+    if drew:
+        ax.legend(fontsize=8)
+    return drew
+
+
+def _timing(ax: Any, records: list[dict[str, Any]]) -> bool:
+    stages = [k for k in _keys(records, "timing_s/") if k != STEP_TIME]
+    rows = [r for r in records if any(k in r for k in stages)]
+    if not rows:
+        return False
+    steps = [r.get("step", i) for i, r in enumerate(rows)]
+    bottom = [0.0] * len(rows)
+    for key in stages:
+        heights = [float(r.get(key, 0.0)) for r in rows]
+        ax.bar(steps, heights, bottom=bottom, label=key.removeprefix("timing_s/"), width=0.8)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    total_steps, totals = series(rows, STEP_TIME)
+    if totals:
+        ax.plot(total_steps, totals, "k-", linewidth=1, label="step")
+    ax.legend(fontsize=7, ncol=2)
+    return True
+
+
+def _mismatch(ax: Any, records: list[dict[str, Any]]) -> bool:
+    steps, values = series(records, MISMATCH)
+    if not steps:
+        return False
+    ax.plot(steps, values, label=MISMATCH)
+    ax.axhline(MISMATCH_BOUND, color="red", linestyle=":", linewidth=1, label=f"bound {MISMATCH_BOUND}")
+    ax.legend(fontsize=8)
+    return True
+
+
+def render(records: list[dict[str, Any]], out: str | Path, *, title: str = "", dpi: int = 120) -> list[str]:
+    """Write the PNG; return the keys of the panels that had no data."""
+    from matplotlib.figure import Figure  # no pyplot: no global state, no display backend
+
+    fig = Figure(figsize=(12, 8), dpi=dpi, layout="constrained")
+    axes = fig.subplots(2, 2)
+    panels = [
+        (axes[0][0], "reward", REWARD, lambda ax: _reward(ax, records)),
+        (axes[0][1], "response length (tokens)", LENGTH,
+         lambda ax: _lines(ax, records, [LENGTH, "response_length/max", "response_length/min"])),
+        (axes[1][0], "time per step (s)", "timing_s/*", lambda ax: _timing(ax, records)),
+        (axes[1][1], "log-prob mismatch, rollout vs training", MISMATCH, lambda ax: _mismatch(ax, records)),
+    ]
+    missing = []
+    for ax, label, key, draw in panels:
+        ax.set_title(label)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if not draw(ax):
+            _empty(ax, key)
+            missing.append(key)
+    if title:
+        fig.suptitle(title)
+    fig.savefig(out, format="png")
+    return missing
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # Not `run`: mrl/cli.py stores the subcommand's entry point under that name.
+    parser.add_argument("run_dir", help="a run folder with metrics.jsonl (trainer.default_local_dir), or a .jsonl")
+    parser.add_argument("--out", default=None, help="PNG path (default: <run folder>/report.png)")
+    parser.add_argument("--dpi", type=int, default=120)
+
+
+def run(args: argparse.Namespace) -> int:
+    path = metrics_file(args.run_dir)
+    if not path.is_file():
+        print(f"no metrics file at {path} (the trainer's jsonl logger writes <default_local_dir>/metrics.jsonl)",
+              file=sys.stderr)
+        return 2
+    records = load_records(path)
+    out = Path(args.out) if args.out else path.parent / "report.png"
+    steps = [r["step"] for r in records if "step" in r]
+    title = f"{path.parent.name}: {len(records)} records" + (f", steps {min(steps)}-{max(steps)}" if steps else "")
+    missing = render(records, out, title=title, dpi=args.dpi)
+    print(f"wrote {out}" + (f" (no data for {', '.join(missing)})" if missing else ""))
+    return 0
