@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -121,9 +122,9 @@ def _check(cfg: DictConfig, acc: Accounting, mem: MemoryEstimate, problems: list
     train = mem.training_total
     rollout = mem.rollout
     assert rollout is not None
-    if acc.rollout_replicas < 1:
-        problems.append(f"rollout: one replica needs {acc.rollout_replica_devices} devices (TP × DP × PP) but the "
-                        f"rollout has {acc.rollout_devices}")
+    if acc.rollout_replicas < 1 or acc.rollout_replicas * acc.rollout_replica_devices > acc.rollout_devices:
+        problems.append(f"rollout: {max(acc.rollout_replicas, 1)} replica(s) of {acc.rollout_replica_devices} devices "
+                        f"(TP × DP × PP) need more than the rollout's {acc.rollout_devices} devices")
     elif acc.rollout_devices % acc.rollout_replica_devices:
         notes.append(f"rollout: {acc.rollout_devices % acc.rollout_replica_devices} of {acc.rollout_devices} "
                      "rollout devices hold no replica")
@@ -163,10 +164,11 @@ def make_plan(recipe: str, overrides: list[str] | None = None, *, device_gib: fl
     except ConfigError as err:
         problems += [f"config: {v}" for v in err.violations]
     config, source = resolve_model_config(cfg.model.path, model_config)
-    shape = shape_from_config(config, name=config.get("_name_or_path") or source)
+    shape = shape_from_config(config)
     acc = accounting(cfg, shape)
     mem = estimate(cfg, shape, device_gib, rollout_overhead_gib)
-    plan = Plan(recipe, shape.name, source, shape.total_params, shape.active_params, acc, mem, problems)
+    name = Path(cfg.model.path.rstrip("/")).name
+    plan = Plan(recipe, name, source, shape.total_params, shape.active_params, acc, mem, problems)
     _check(cfg, acc, mem, plan.problems, plan.notes)
     return plan
 
@@ -178,7 +180,7 @@ def _gib(x: float) -> str:
 def render(plan: Plan) -> str:
     a, mem = plan.accounting, plan.memory
     lines = [
-        f"recipe {plan.recipe}: {plan.model_source}",
+        f"recipe {plan.recipe}: model {plan.model} (shape from {plan.model_source})",
         f"  parameters {plan.total_params / 1e9:.2f} B total, {plan.active_params / 1e9:.2f} B active per token",
         "per step",
         f"  prompts per step (B)              {a.prompts_per_step}",
