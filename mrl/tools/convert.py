@@ -136,11 +136,10 @@ def execute(steps: list[ToMegatron | ToHF], *, timeout_s: float = 24 * 3600.0) -
     """Run the steps in a world big enough for every layout: spawned locally, or in place under torchrun."""
     from mrl.utils.distributed import launch
 
-    world = max(math.lcm(*(s.layout.world_size() for s in steps)), 1)
     if "TORCHELASTIC_RUN_ID" in os.environ:
         run_steps(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), steps)
     else:
-        launch(run_steps, world, steps, timeout_s=timeout_s)
+        launch(run_steps, math.lcm(*(s.layout.world_size() for s in steps)), steps, timeout_s=timeout_s)
 
 
 def _layout_args(parser: argparse.ArgumentParser) -> None:
