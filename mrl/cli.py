@@ -42,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=summary, description=summary)
         if module is not None:
             module.add_arguments(p)
-            p.set_defaults(run=module.run)
+            p.set_defaults(_mrl_run=module.run)
     args = parser.parse_args(argv)
-    return args.run(args)
+    return args._mrl_run(args)
 
 
 if __name__ == "__main__":
