@@ -126,6 +126,8 @@ class PPOTrainer:
         return None
 
     def on_sample_end(self) -> None:
+        # Sync mode stays on-policy: surplus groups from dynamic-sampling refills are not kept for the next step.
+        self.buffer.clear()
         if self.config.rollout.mode == "hybrid":
             self.parts.rollout.sleep(level=2)  # the trainer gets the devices; weights come back with the sync
             self.parts.actor_rollout.onload()

@@ -20,8 +20,10 @@ def test_dynamic_sampling_evicts_groups_whose_rewards_are_all_equal():
     assert kept == 1 and buffer.evicted == 2 and buffer.added == 3
     assert not buffer.ready(2)
     buffer.add(group("d", [1, 0]), n=2)
+    buffer.add(group("e", [0, 1]), n=2)
     out = buffer.sample(2)
     assert [t["uid"] for t in out] == ["b", "b", "d", "d"]  # whole groups, oldest first
+    assert buffer.clear() == 1 and len(buffer) == 0  # the surplus group "e"
 
 
 def test_without_dynamic_sampling_every_group_is_kept():
