@@ -18,7 +18,9 @@ ROOT_CONFIG_NAME = "mrl_config"
 class ResourceConfig:
     """Devices of the trainer's pool. On a CPU-only machine each device slot is a CPU bundle."""
 
+    # Nodes of the trainer's pool.
     nnodes: int = 1
+    # Device slots per node of the trainer's pool (GPUs; CPU bundles on a CPU-only machine).
     n_gpus_per_node: int = 1
     # Role workers sharing one device slot (actor, ref, critic, rollout in hybrid mode): each Ray worker asks for
     # 1 / max_colocate_count of a GPU so that they are placed on the same devices.
@@ -27,19 +29,29 @@ class ResourceConfig:
 
 @dataclass
 class DataConfig:
+    # Training prompts: parquet (the common RL layout: prompt, data_source, reward_model.ground_truth, extra_info) or
+    # JSONL.
     train_files: list[str] = field(default_factory=list)
+    # Held-out prompts for validation (greedy accuracy, pass@k); same formats as train_files.
     val_files: list[str] = field(default_factory=list)
+    # Column holding the chat messages of a prompt.
     prompt_key: str = "prompt"
+    # Prompt tokens (after the chat template) beyond which a row is skipped.
     max_prompt_length: int = 512
+    # Generated tokens per response (the rollout's max_tokens, also capped by the context length).
     max_response_length: int = 512
     # Prompts per step (B). Each prompt is sampled rollout.n times.
     train_batch_size: int = 8
+    # Reserved: validation currently runs the whole val split in one batch.
     val_batch_size: int | None = None
+    # Shuffle the training prompts every epoch.
     shuffle: bool = True
+    # Seed of the prompt order.
     seed: int = 1
     # DAPO dynamic sampling: evict prompt groups whose rewards are all equal and generate more prompts, for at
     # most max_sample_rounds generation rounds per step.
     dynamic_sampling: bool = False
+    # Generation rounds per step at most when dynamic_sampling refills evicted groups.
     max_sample_rounds: int = 4
 
 
@@ -47,9 +59,11 @@ class DataConfig:
 class ModelConfig:
     # An HF folder (config.json + safetensors + tokenizer); no hub downloads.
     path: str = ""
+    # Tokenizer folder when it is not model.path.
     tokenizer_path: str | None = None
     # `mrl` is our own bridge layer; `megatron_bridge` uses NVIDIA Megatron-Bridge where it is installed.
     bridge_backend: str = "mrl"
+    # Reserved: custom HF modelling code is not loaded yet (bridges map known architectures only).
     trust_remote_code: bool = False
 
 
@@ -57,15 +71,25 @@ class ModelConfig:
 class MegatronConfig:
     """Parallel layout and Megatron knobs of one engine (actor, reference or critic)."""
 
+    # Tensor parallel size (TP): attention heads and MLP columns split over TP ranks.
     tensor_model_parallel_size: int = 1
+    # Pipeline parallel size (PP): layers split over PP stages (1F1B schedule).
     pipeline_model_parallel_size: int = 1
+    # Model chunks per pipeline stage for the interleaved schedule (needs PP > 1).
     virtual_pipeline_model_parallel_size: int | None = None
+    # Context parallel size (CP): needs TransformerEngine; refused at start-up without it.
     context_parallel_size: int = 1
+    # Expert parallel size (EP): MoE experts split over EP ranks.
     expert_model_parallel_size: int = 1
+    # Tensor parallel size inside experts (ETP); None uses TP.
     expert_tensor_parallel_size: int | None = None
+    # Sequence parallelism with TP (activations split along the sequence; required for MoE with TP > 1).
     sequence_parallel: bool = False
+    # Shard optimizer state over DP (Megatron's distributed optimizer).
     use_distributed_optimizer: bool = True
+    # Activation recomputation: None, 'full' or 'selective'.
     recompute_granularity: str | None = None
+    # Parameter dtype of the engine: float32, bfloat16 or float16.
     params_dtype: str = "float32"
     # Extra TransformerConfig fields passed through verbatim (for knobs without a named field here).
     override_transformer_config: dict[str, Any] = field(default_factory=dict)
@@ -73,49 +97,79 @@ class MegatronConfig:
 
 @dataclass
 class OptimConfig:
+    # Peak learning rate (Adam).
     lr: float = 1e-6
+    # Learning rate at the end of decay.
     min_lr: float = 0.0
+    # Decoupled weight decay.
     weight_decay: float = 0.01
+    # Gradient-norm clipping threshold.
     clip_grad: float = 1.0
+    # Linear warm-up steps (optimizer updates).
     lr_warmup_steps: int = 0
+    # Megatron's decay style after warm-up: constant, linear, cosine, inverse-square-root.
     lr_decay_style: str = "constant"
+    # Adam's (beta1, beta2).
     betas: tuple[float, float] = (0.9, 0.999)
 
 
 @dataclass
 class ActorConfig:
+    # Parallel layout of the actor.
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    # Optimizer of the actor.
     optim: OptimConfig = field(default_factory=OptimConfig)
     # Prompts per optimizer update (M); updates per step = train_batch_size / ppo_mini_batch_size.
     ppo_mini_batch_size: int = 4
+    # Samples per micro-batch when use_dynamic_bsz is False.
     ppo_micro_batch_size_per_gpu: int | None = 1
+    # Pack micro-batches by token budget (ppo_max_token_len_per_gpu) instead of by sample count.
     use_dynamic_bsz: bool = False
+    # Token budget of one packed micro-batch per device (dynamic batch size).
     ppo_max_token_len_per_gpu: int = 4096
+    # Passes over each step's samples.
     ppo_epochs: int = 1
+    # Policy loss: ppo_clip (dual clip), gspo or cispo.
     policy_loss: str = "ppo_clip"
+    # Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm.
     loss_agg_mode: str = "token-mean"
+    # PPO clip range below 1 (epsilon_low).
     clip_ratio_low: float = 0.2
+    # PPO clip range above 1 (epsilon_high; raise it for DAPO's clip-higher).
     clip_ratio_high: float = 0.2
+    # Dual-clip bound c for negative advantages (> 1).
     clip_ratio_c: float = 3.0
+    # Add a KL(actor || reference) term to the actor loss (starts the reference policy).
     use_kl_loss: bool = False
+    # Weight of the KL loss term.
     kl_loss_coef: float = 0.001
+    # KL estimator of the loss term: kl (k1), abs, mse (k2), low_var_kl (k3, clamped).
     kl_loss_type: str = "low_var_kl"
+    # Entropy bonus weight (0: none).
     entropy_coeff: float = 0.0
 
 
 @dataclass
 class RefConfig:
+    # Parallel layout of the reference policy.
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    # Samples per micro-batch for reference log-probs.
     log_prob_micro_batch_size_per_gpu: int | None = 4
 
 
 @dataclass
 class CriticConfig:
+    # Train a critic (value head); needed by adv_estimator=gae.
     enable: bool = False
+    # Parallel layout of the critic.
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    # Optimizer of the critic.
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    # Prompts per critic update.
     ppo_mini_batch_size: int = 4
+    # Samples per critic micro-batch.
     ppo_micro_batch_size_per_gpu: int | None = 1
+    # Value clipping range around the old values.
     cliprange_value: float = 0.5
 
 
@@ -125,26 +179,39 @@ class RolloutConfig:
     name: str = "vllm"
     # Replica mode (DESIGN.md glossary): hybrid | colocated | standalone.
     mode: str = "hybrid"
+    # Tensor parallel size of one inference replica.
     tensor_model_parallel_size: int = 1
+    # Data parallel size inside one inference replica.
     data_parallel_size: int = 1
+    # Pipeline parallel size of one replica (refused for backends without PP).
     pipeline_model_parallel_size: int = 1
+    # Samples per prompt (multiplies samples, not optimizer updates).
     n: int = 1
+    # Sampling temperature (0: greedy).
     temperature: float = 1.0
+    # Nucleus sampling threshold in (0, 1].
     top_p: float = 1.0
+    # Top-k sampling (-1: off).
     top_k: int = -1
+    # Fraction of device memory the inference engine may take (weights + KV cache).
     gpu_memory_utilization: float = 0.5
     # Devices of a standalone rollout pool (separate_async).
     nnodes: int = 0
+    # Device slots per node of the standalone rollout pool.
     n_gpus_per_node: int = 0
     # Compute old log-probs with the trainer (False reuses the rollout engine's log-probs: "bypass").
     recompute_old_log_prob: bool = True
+    # Run the inference engine without CUDA graphs.
     enforce_eager: bool = True
+    # Reserved: hybrid replicas always release the KV cache during training.
     free_cache_engine: bool = True
     # Agent loops (mrl/rollout/agent_loop): single_turn | tool; CPU Ray actors running the sessions.
     agent_loop: str = "single_turn"
+    # Agent-loop Ray actors.
     agent_loop_workers: int = 1
     # Tool classes for the tool loop, as "package.module:Class".
     tools: list[str] = field(default_factory=list)
+    # Turns per trajectory in the tool loop.
     max_turns: int = 4
     # Replicas to start (0: as many as the trainer's device slots hold, one per TP×DP×PP footprint).
     num_replicas: int = 0
@@ -154,15 +221,25 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
+    # Advantage estimator: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, gae.
     adv_estimator: str = "grpo"
+    # Discount factor (GAE, REINFORCE++).
     gamma: float = 1.0
+    # GAE lambda.
     lam: float = 1.0
+    # Divide GRPO advantages by the group std (False: Dr.GRPO).
     norm_adv_by_std_in_grpo: bool = True
+    # KL penalty in the reward: not wired into the trainer yet, so True is refused at start-up.
     use_kl_in_reward: bool = False
+    # KL estimator of the reward penalty (with use_kl_in_reward).
     kl_penalty: str = "kl"
+    # Initial KL coefficient of the reward penalty.
     kl_coef: float = 0.001
+    # KL controller of the reward penalty: fixed or adaptive.
     kl_ctrl_type: str = "fixed"
+    # Target KL of the adaptive controller.
     kl_target: float = 0.1
+    # Horizon of the adaptive controller.
     kl_horizon: int = 10000
 
 
@@ -170,7 +247,9 @@ class AlgorithmConfig:
 class RewardConfig:
     # Registered rule-reward name or "module.path:function"; chosen per sample by data_source when "auto".
     reward_fn: str = "auto"
+    # Concurrent reward evaluations.
     num_workers: int = 4
+    # Per-item reward timeout; a timed-out item scores 0.
     timeout_s: float = 10.0
 
 
@@ -178,10 +257,13 @@ class RewardConfig:
 class WeightSyncConfig:
     # ipc (same devices) | nccl (temporary group to a standalone pool; gloo on CPU) | disk (safetensors by path).
     transport: str = "ipc"
+    # Size of the buckets the weight stream is packed into.
     bucket_size_mb: int = 512
     # separate_async: the rollout pool receives weights every parameter_sync_step optimizer updates.
     parameter_sync_step: int = 1
+    # Reserved for separate_async: samples older than this many versions are dropped.
     staleness_threshold: int = 1
+    # Timeout of one weight sync.
     timeout_s: float = 600.0
 
 
@@ -189,37 +271,60 @@ class WeightSyncConfig:
 class TrainerConfig:
     # sync | colocate_async | separate_async (DESIGN.md glossary).
     mode: str = "sync"
+    # Training steps (each: one rollout batch and train_batch_size / ppo_mini_batch_size updates).
     total_training_steps: int = 10
+    # Reserved: the run length is total_training_steps.
     total_epochs: int = 1
+    # Seed of the run (sampling seeds, initialisation).
     seed: int = 1
+    # Project name (run folder and loggers).
     project_name: str = "mrl"
+    # Experiment name (run folder and loggers).
     experiment_name: str = "run"
+    # Run folder: metrics.jsonl, rollouts.jsonl, checkpoints.
     default_local_dir: str = "runs/${trainer.project_name}/${trainer.experiment_name}"
+    # Checkpoint every this many steps (-1: never).
     save_freq: int = -1
+    # Validate every this many steps (-1: never).
     test_freq: int = -1
+    # Validate once before the first step.
     val_before_train: bool = True
+    # Reserved: resuming from checkpoints is not wired yet.
     resume_mode: str = "auto"
+    # Loggers: console and jsonl.
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     # Validation: greedy accuracy on data.val_files, plus pass@k with k temperature samples when val_pass_k > 0.
     val_pass_k: int = 0
     # Trajectories per step written to <default_local_dir>/rollouts.jsonl (0: no dump).
     rollout_dump_per_step: int = 8
-    # Ray resources are declared from these, so a CPU-only machine can stand in for a GPU cluster.
+    # auto | cuda | cpu: whether workers ask Ray for GPUs; auto uses CUDA where it is available, so a CPU-only
+    # machine runs the same code with CPU bundles standing in for devices.
     device: str = "auto"
 
 
 @dataclass
 class MrlConfig:
+    # Run length, mode, logging, checkpoints.
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # The trainer's devices.
     resources: ResourceConfig = field(default_factory=ResourceConfig)
+    # Datasets and lengths.
     data: DataConfig = field(default_factory=DataConfig)
+    # The HF model to train.
     model: ModelConfig = field(default_factory=ModelConfig)
+    # Actor engine and PPO loss.
     actor: ActorConfig = field(default_factory=ActorConfig)
+    # Reference policy engine.
     ref: RefConfig = field(default_factory=RefConfig)
+    # Critic engine.
     critic: CriticConfig = field(default_factory=CriticConfig)
+    # Inference replicas and agent loops.
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    # Advantage estimator and KL in reward.
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    # Reward functions.
     reward: RewardConfig = field(default_factory=RewardConfig)
+    # How weights reach the rollout replicas.
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
 

@@ -207,3 +207,11 @@ def _trainer_roles(cfg: DictConfig, _: bool) -> Iterator[Violation]:
         yield Violation("rollout.num_replicas", replicas,
                         f"{replicas} hybrid replicas of {footprint} devices exceed the trainer's "
                         f"{trainer_world_size(cfg)} device slots")
+
+
+@rule
+def _not_wired_yet(cfg: DictConfig, _: bool) -> Iterator[Violation]:
+    # Refuse settings the trainer would silently ignore, rather than let a run go without them.
+    if _get(cfg, "algorithm.use_kl_in_reward"):
+        yield Violation("algorithm.use_kl_in_reward", True,
+                        "a KL penalty in the reward is not applied by the trainer yet; use actor.use_kl_loss=true")

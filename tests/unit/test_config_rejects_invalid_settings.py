@@ -42,6 +42,7 @@ def test_tiny_recipe_composes_and_validates():
         (["rollout.mode=standalone", "trainer.mode=separate_async", "rollout.nnodes=1", "rollout.n_gpus_per_node=1"],
          "weight_sync.transport"),
         (["model.path="], "model.path"),
+        (["algorithm.use_kl_in_reward=true"], "algorithm.use_kl_in_reward"),
     ],
 )
 def test_each_invalid_setting_is_named(overrides, setting):
