@@ -64,12 +64,22 @@ class LoadBalancer:
         self._in_flight[server_id] += 1
         return server_id
 
+    def acquire_ids(self, request_ids: list[str]) -> list[str]:
+        """`acquire_id` for several calls in one RPC, in order (clients coalesce concurrent acquires: one round
+        trip per burst instead of one per request, so a burst reaches the engine together)."""
+        return [self.acquire_id(request_id) for request_id in request_ids]
+
     def handle(self, server_id: str) -> Any:
         return self._servers.get(server_id)
 
     def release(self, server_id: str) -> None:
         if server_id in self._in_flight:  # the server may have been removed while the request ran
             self._in_flight[server_id] -= 1
+
+    def release_ids(self, server_ids: list[str]) -> None:
+        """`release` for several finished calls in one RPC (clients coalesce the releases of one loop tick)."""
+        for server_id in server_ids:
+            self.release(server_id)
 
     def forget(self, request_id: str) -> None:
         """End a session: its next call (if any) is routed as new."""

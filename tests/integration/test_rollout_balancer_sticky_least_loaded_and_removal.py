@@ -1,6 +1,8 @@
 """Two replicas of a backend behind the global load balancer: a new request goes to the least loaded server, a
 multi-turn session sticks to its server even when that server is busier, and removing a replica at run time
-re-routes its sessions to the survivor (replicas are added and removed on the live manager)."""
+re-routes its sessions to the survivor (replicas are added and removed on the live manager). A client coalesces a
+burst of concurrent calls into one balancer round trip for the acquires and one message for the releases, and the
+balancer still decides them one by one, in call order."""
 
 from __future__ import annotations
 
@@ -10,6 +12,9 @@ import pytest
 import ray
 from rollout_fixtures import *  # noqa: F403  (the shared fixtures: managers, models)
 from rollout_fixtures import PROMPT, run, wait_for
+
+from mrl.rollout.client import LLMServerClient
+from mrl.rollout.load_balancer import LoadBalancer
 
 pytestmark = pytest.mark.integration
 
@@ -46,3 +51,43 @@ def test_sticky_sessions_least_loaded_and_removal(manager):
     turn3 = run(client.generate("session-A", PROMPT + turn2.token_ids, SHORT))
     assert turn3.extra["server_pid"] == pids[second_rank]
     assert ray.get(balancer.session_server.remote("session-A")) == second.server_id
+
+
+class CountingBalancer(LoadBalancer):
+    """The real balancer, counting the routing RPCs it receives."""
+
+    def __init__(self) -> None:
+        super().__init__({"a": None, "b": None})
+        self.rpcs = 0
+
+    def acquire_ids(self, request_ids: list[str]) -> list[str]:
+        self.rpcs += 1
+        return super().acquire_ids(request_ids)
+
+    def release_ids(self, server_ids: list[str]) -> None:
+        self.rpcs += 1
+        super().release_ids(server_ids)
+
+    def rpc_count(self) -> int:
+        return self.rpcs
+
+
+def test_client_coalesces_a_burst_into_few_balancer_calls(ray_cluster):
+    balancer = ray.remote(CountingBalancer).remote()
+    client = LLMServerClient(balancer)
+
+    async def burst(rids):
+        ids = await asyncio.gather(*(client._acquire(rid) for rid in rids))
+        assert await balancer.in_flight.remote() == {"a": ids.count("a"), "b": ids.count("b")}
+        for server_id in ids:
+            client._release(server_id)
+        return ids
+
+    rids = [f"r{i}" for i in range(16)]
+    assert run(burst(rids)) == ["a", "b"] * 8  # least loaded, decided one at a time in call order
+    assert ray.get(balancer.in_flight.remote()) == {"a": 0, "b": 0}
+    assert ray.get(balancer.rpc_count.remote()) <= 3  # one or two acquire round trips, one release message
+    # A new event loop (one asyncio.run per step): sessions stay sticky, new ones are routed least loaded.
+    assert run(burst(["r1", "new", "r0"])) == ["b", "a", "a"]
+    assert ray.get(balancer.in_flight.remote()) == {"a": 0, "b": 0}
+    ray.kill(balancer)

@@ -1,6 +1,7 @@
 """The load balancer's rules without Ray: least in-flight wins (ties to the first registered), a session sticks
 to its server whatever the load, removal re-routes exactly the removed server's sessions, and late releases from
-a removed server are harmless."""
+a removed server are harmless; the batched calls that clients coalesce bursts into decide exactly like one call
+per request."""
 
 from __future__ import annotations
 
@@ -59,3 +60,13 @@ def test_errors_name_the_problem():
     lb.add_server("a")
     with pytest.raises(ValueError, match="already registered"):
         lb.add_server("a")
+
+
+def test_batched_acquire_and_release_match_one_by_one():
+    one, batched = LoadBalancer({"a": None, "b": None}), LoadBalancer({"a": None, "b": None})
+    rids = ["s1", "s2", "s1", "s3", "s4"]
+    assert batched.acquire_ids(rids) == [one.acquire_id(r) for r in rids] == ["a", "b", "a", "b", "a"]
+    assert batched.in_flight() == one.in_flight() == {"a": 3, "b": 2}
+    batched.remove_server("b")
+    batched.release_ids(["a", "b", "a"])  # "b" was removed while its call ran: ignored
+    assert batched.in_flight() == {"a": 1}
