@@ -29,7 +29,7 @@ from mrl.rollout.server import SERVER_ENV, RolloutServer, restore_niceness
 from rollout_adapters.base import StopReason
 from rollout_adapters.sglang import protocol as sglang_protocol
 from rollout_adapters.sglang.adapter import SGLangAdapter
-from rollout_adapters.vllm.adapter import _STOP_REASONS, VLLMAdapter, to_vllm_sampling
+from rollout_adapters.vllm.adapter import VLLMAdapter, sample_result, to_vllm_sampling
 
 
 class VLLMPDAdapter(VLLMAdapter):
@@ -42,26 +42,11 @@ class VLLMPDAdapter(VLLMAdapter):
         transfer = TRANSFER.get()
         if transfer is None:
             return await super()._generate(request_id, prompt_ids, params, budget)
-        # Same sequence as VLLMAdapter._generate, plus the transfer params in and out (its body has no hook for
-        # either; see the report of issue 9).
         sampling = to_vllm_sampling(params, budget)
         sampling.extra_args = {**(sampling.extra_args or {}), "kv_transfer_params": transfer["send"]}
-        async with self._submit_lock:
-            queue = await self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, sampling)
-        try:
-            out = None
-            while out is None or not out.finished:
-                out = queue.get_nowait() or await queue.get()
-        except asyncio.CancelledError:
-            await self.engine.abort(request_id, internal=True)
-            raise
-        finally:
-            queue.close()
+        out = await self._run(request_id, prompt_ids, sampling)
         transfer["received"] = out.kv_transfer_params
-        sample = out.outputs[0]
-        ids = list(sample.token_ids)
-        lps = [step[tok].logprob for step, tok in zip(sample.logprobs, ids)] if sample.logprobs else []
-        return ids, lps, _STOP_REASONS.get(sample.finish_reason, "stop")
+        return sample_result(out)
 
 
 class SGLangPDAdapter(SGLangAdapter):

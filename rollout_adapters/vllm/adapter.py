@@ -91,10 +91,13 @@ class VLLMAdapter(RolloutAdapter):
     async def _generate(
         self, request_id: str, prompt_ids: list[int], params: dict[str, Any], budget: int
     ) -> tuple[list[int], list[float], StopReason]:
+        return sample_result(await self._run(request_id, prompt_ids, to_vllm_sampling(params, budget)))
+
+    async def _run(self, request_id: str, prompt_ids: list[int], sampling: Any) -> Any:
+        """Submit one request and wait for its final RequestOutput (aborted in the engine if the caller is
+        cancelled). Subclasses that add per-request engine arguments (PD transfer params) build `sampling`."""
         async with self._submit_lock:
-            queue = await self.engine.add_request(
-                request_id, {"prompt_token_ids": prompt_ids}, to_vllm_sampling(params, budget)
-            )
+            queue = await self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, sampling)
         try:
             out = None
             while out is None or not out.finished:
@@ -104,10 +107,7 @@ class VLLMAdapter(RolloutAdapter):
             raise
         finally:
             queue.close()
-        sample = out.outputs[0]
-        ids = list(sample.token_ids)
-        lps = [step[tok].logprob for step, tok in zip(sample.logprobs, ids)] if sample.logprobs else []
-        return ids, lps, _STOP_REASONS.get(sample.finish_reason, "stop")
+        return out
 
     async def _abort_running(self) -> None:
         async with self._submit_lock:
@@ -151,3 +151,11 @@ class VLLMAdapter(RolloutAdapter):
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+
+
+def sample_result(out: Any) -> tuple[list[int], list[float], StopReason]:
+    """Token ids, sampled-token log-probs and stop reason of a finished vLLM RequestOutput's single sample."""
+    sample = out.outputs[0]
+    ids = list(sample.token_ids)
+    lps = [step[tok].logprob for step, tok in zip(sample.logprobs, ids)] if sample.logprobs else []
+    return ids, lps, _STOP_REASONS.get(sample.finish_reason, "stop")
