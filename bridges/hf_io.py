@@ -20,6 +20,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from mrl.utils.buckets import group_by_bytes
+
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 # Files an HF folder carries besides weights and config; copied by save_hf when present.
@@ -133,30 +135,18 @@ def write_safetensors(
     """
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    current: dict[str, torch.Tensor] = {}
-    current_bytes = 0
     weight_map: dict[str, str] = {}
     files: list[str] = []
     total = 0
-
-    def flush() -> None:
-        nonlocal current, current_bytes
-        if not current:
-            return
+    # Moved to host as they arrive, so the stream's device tensors are freed while a shard fills.
+    on_host = ((name, tensor.detach().to("cpu").contiguous()) for name, tensor in _unique(tensors))
+    for group in group_by_bytes(on_host, max_shard_bytes):
+        shard = dict(group)
         file = f"model-{len(files) + 1:05d}.safetensors"
-        save_file(current, str(out / file), metadata={"format": "pt"})
+        save_file(shard, str(out / file), metadata={"format": "pt"})
         files.append(file)
-        weight_map.update(dict.fromkeys(current, file))
-        current, current_bytes = {}, 0
-
-    for name, tensor in _unique(tensors):
-        nbytes = tensor.numel() * tensor.element_size()
-        if current and current_bytes + nbytes > max_shard_bytes:
-            flush()
-        current[name] = tensor.detach().to("cpu").contiguous()
-        current_bytes += nbytes
-        total += nbytes
-    flush()
+        weight_map.update(dict.fromkeys(shard, file))
+        total += sum(t.numel() * t.element_size() for t in shard.values())
     if len(files) == 1:
         (out / files[0]).rename(out / _SINGLE)
         return [_SINGLE]

@@ -13,6 +13,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from mrl.utils.buckets import group_by_bytes
+
 DEFAULT_BUCKET_BYTES = 256 << 20
 
 
@@ -23,18 +25,12 @@ def pack_buckets(
 
     Tensors are detached to CPU and made contiguous (safetensors refuses views and shared storage).
     """
-    bucket: dict[str, torch.Tensor] = {}
-    size = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield st_save(bucket)
-            bucket, size = {}, 0
-        if name in bucket:
-            raise ValueError(f"weight stream repeats tensor {name!r}")
-        bucket[name] = tensor.detach().to("cpu").contiguous().clone()
-        size += nbytes
-    if bucket:
+    for group in group_by_bytes(named_tensors, bucket_bytes):
+        bucket: dict[str, torch.Tensor] = {}
+        for name, tensor in group:
+            if name in bucket:
+                raise ValueError(f"weight stream repeats tensor {name!r}")
+            bucket[name] = tensor.detach().to("cpu").contiguous().clone()
         yield st_save(bucket)
 
 

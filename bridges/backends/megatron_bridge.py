@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from mrl.utils.buckets import group_by_bytes
+
 _PROVIDER_MODEL_KWARGS = {
     "vocab_size": "vocab_size",
     "max_sequence_length": "seq_length",
@@ -73,18 +75,7 @@ class MegatronBridgeBackend:
         self, chunks: Sequence[torch.nn.Module], bucket_bytes: int, *, dtype: torch.dtype | None = None
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Greedy byte buckets over the stream (no precomputed plan: Megatron-Bridge streams one task at a time)."""
-        stream = self.export(chunks, dtype=dtype)
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, tensor in stream:
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, tensor))
-            size += nbytes
-        if bucket:
-            yield bucket
+        return group_by_bytes(self.export(chunks, dtype=dtype), bucket_bytes)
 
     def save_hf(
         self,
