@@ -6,6 +6,9 @@
 - A dist-checkpoint saved at TP=2 after one step and loaded at TP=1 (DP=2) continues with the same losses for the
   next two steps as the TP=2 run itself (model, Adam moments and LR schedule restored; 1e-5 fp32), and back:
   saved at TP=1, loaded at TP=2.
+- The same with Megatron's distributed optimizer (its state resharded from TP=2×DP=1 to TP=1×DP=2), including a
+  checkpoint saved before the first optimizer step (Adam state not created yet): loaded at TP=1, the first step's
+  loss is the TP=2 run's.
 """
 
 from __future__ import annotations
@@ -108,6 +111,17 @@ def run(rank: int, world: int, path: str, ckpt_dir: str) -> dict:
         back = engine(path, 2, distributed_optimizer=False)
         back.load_checkpoint(f"{ckpt_dir}/tp1_step2")
         out["reshard"] = {"tp2": tp2_losses, "tp1": tp1_losses, "back_to_tp2": [step(back)]}
+        # the same with the distributed optimizer, and a checkpoint written before any optimizer step
+        dist2 = engine(path, 2)
+        dist2.save_checkpoint(f"{ckpt_dir}/dist_tp2_step0")
+        first = step(dist2)
+        dist2.save_checkpoint(f"{ckpt_dir}/dist_tp2_step1")
+        dist2_losses = [first, step(dist2), step(dist2)]
+        dist1 = engine(path, 1)
+        dist1.load_checkpoint(f"{ckpt_dir}/dist_tp2_step1")
+        fresh = engine(path, 1)
+        fresh.load_checkpoint(f"{ckpt_dir}/dist_tp2_step0")
+        out["dist_reshard"] = {"tp2": dist2_losses, "tp1": [step(dist1), step(dist1)], "from_step0": [step(fresh)]}
     finally:
         teardown()
     return out
@@ -127,3 +141,7 @@ def test_offload_round_trip_and_checkpoint_resharding(tmp_path):
         assert len(set(tp2)) == 3
         assert abs(tp1[0] - tp2[1]) < 1e-5 and abs(tp1[1] - tp2[2]) < 1e-5, (tp2, tp1)
         assert abs(back[0] - tp2[2]) < 1e-5, (tp2, back)
+        dist = r["dist_reshard"]
+        assert len(set(dist["tp2"])) == 3
+        assert all(abs(a - b) < 1e-5 for a, b in zip(dist["tp1"], dist["tp2"][1:])), dist
+        assert abs(dist["from_step0"][0] - dist["tp2"][0]) < 1e-5, dist

@@ -27,30 +27,41 @@ def _sharded_state(chunks: list[Any], optimizer: Any, is_loading: bool) -> dict[
         model_state: dict[str, Any] = {}
         for value in state.values():
             model_state.update(value)
-        distributed = getattr(optimizer.config, "use_distributed_optimizer", False)
-        extra = {"sharding_type": _OPTIMIZER_SHARDING, "metadata": {}} if distributed else {}
+        extra = {"sharding_type": _OPTIMIZER_SHARDING, "metadata": {}} if _is_distributed(optimizer) else {}
         state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading, **extra)
     return state
 
 
 def save(path: str, chunks: list[Any], optimizer: Any = None, scheduler: Any = None) -> None:
-    """Collective: every rank of the engine calls it with its own (unwrapped) model chunks."""
+    """Collective: every rank of the engine calls it with its own (unwrapped) model chunks. Works before the
+    first optimizer step too (the moments are then zeros and the step counter 0)."""
     from megatron.core import dist_checkpointing
 
     os.makedirs(path, exist_ok=True)
+    if _is_distributed(optimizer):
+        _ensure_optimizer_state(optimizer)
     state = _sharded_state(chunks, optimizer, is_loading=False)
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()  # plain (common) state: identical on every rank
     dist_checkpointing.save(state, path)
 
 
+def _is_distributed(optimizer: Any) -> bool:
+    return optimizer is not None and getattr(optimizer.config, "use_distributed_optimizer", False)
+
+
+def _inner_optimizers(optimizer: Any) -> list[Any]:
+    """The torch optimizers inside Megatron's (possibly chained) distributed optimizer."""
+    return [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
 def _ensure_optimizer_state(optimizer: Any) -> None:
-    """Give a fresh Adam its (zero) moments and step counter. torch's AdamW creates them lazily on the first
-    step, but Megatron's optimizer state_dict (used to build the load request) reads `step` from them."""
+    """Give a fresh Adam its (zero) moments and step counter, exactly what torch's AdamW creates lazily on its
+    first step. Megatron's distributed optimizer `state_dict` (saving, and building the load request) reads
+    `step` from every parameter's state and asserts there is one value."""
     import torch
 
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = opt.optimizer
+    for inner in _inner_optimizers(optimizer):
         for group in inner.param_groups:
             for p in group["params"]:
                 if not inner.state[p]:
@@ -59,11 +70,31 @@ def _ensure_optimizer_state(optimizer: Any) -> None:
                     )
 
 
+def _load_distributed_optimizer(optimizer: Any, state: dict[str, Any]) -> None:
+    """Megatron 0.19's distributed optimizer with torch's AdamW (no Apex/TE) cannot load its own
+    `fully_reshardable` state: the parameter-state loader copies every tensor of the live state, `step`
+    included, from a source that never holds `step` (KeyError 'step'), and `load_state_dict` puts one shared
+    `step` tensor into every parameter's state, which AdamW's in-place `step += 1` would then advance once per
+    parameter. So: load the non-parameter state (param groups, step) first, set `step` aside while the
+    moments and fp32 params are copied in, then give each parameter its own copy of the step."""
+    optimizers = getattr(optimizer, "chained_optimizers", [optimizer])
+    # A chained optimizer (e.g. dense + expert parameters) keys its parts 0, 1, …; a single one is unwrapped.
+    states = [state] if len(optimizers) == 1 else [state[k] for k in sorted(state)]
+    for opt, part in zip(optimizers, states):
+        param_state = part.pop("param_state")
+        part.pop("param_state_sharding_type")
+        opt.load_state_dict(part)
+        steps = {p: s.pop("step") for p, s in opt.optimizer.state.items() if "step" in s}
+        opt.load_parameter_state_from_fully_reshardable(param_state)
+        for p, step in steps.items():
+            opt.optimizer.state[p]["step"] = step.detach().clone()
+
+
 def load(path: str, chunks: list[Any], optimizer: Any = None, scheduler: Any = None) -> None:
     """Collective: fill model chunks, optimizer and scheduler from a checkpoint of any layout."""
     from megatron.core import dist_checkpointing
 
-    if optimizer is not None and getattr(optimizer.config, "use_distributed_optimizer", False):
+    if _is_distributed(optimizer):
         _ensure_optimizer_state(optimizer)
     state = _sharded_state(chunks, optimizer, is_loading=True)
     if scheduler is not None:
@@ -72,7 +103,9 @@ def load(path: str, chunks: list[Any], optimizer: Any = None, scheduler: Any = N
     for key in (k for k in loaded if k.startswith("model")):
         index = 0 if key == "model" else int(key[len("model") :])
         chunks[index].load_state_dict(loaded[key], strict=False)
-    if optimizer is not None:
+    if _is_distributed(optimizer):
+        _load_distributed_optimizer(optimizer, loaded["optimizer"])
+    elif optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None:
         scheduler.load_state_dict(loaded["scheduler"])
