@@ -7,6 +7,7 @@ their rules here (or in their own module, with `@rule`), never as scattered asse
 """
 
 import importlib.util
+import json
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -215,3 +216,184 @@ def _not_wired_yet(cfg: DictConfig, _: bool) -> Iterator[Violation]:
     if _get(cfg, "algorithm.use_kl_in_reward"):
         yield Violation("algorithm.use_kl_in_reward", True,
                         "a KL penalty in the reward is not applied by the trainer yet; use actor.use_kl_loss=true")
+
+
+# ---- names that select code, and value ranges --------------------------------------------------------------------
+DTYPES = ("float32", "bfloat16", "float16")
+RECOMPUTE = (None, "full", "selective")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+DEVICES = ("auto", "cuda", "cpu")
+
+
+@rule
+def _algorithm_names(cfg: DictConfig, _: bool) -> Iterator[Violation]:
+    from mrl.algo.advantages import ADV_ESTIMATORS
+    from mrl.algo.aggregation import LOSS_AGG_MODES
+    from mrl.algo.kl import KL_ESTIMATORS
+    from mrl.algo.policy_loss import POLICY_LOSSES
+
+    estimator = _get(cfg, "algorithm.adv_estimator")
+    if estimator not in ADV_ESTIMATORS:
+        yield Violation("algorithm.adv_estimator", estimator, f"must be one of {', '.join(ADV_ESTIMATORS.names())}")
+    loss = _get(cfg, "actor.policy_loss")
+    if loss not in POLICY_LOSSES:
+        yield Violation("actor.policy_loss", loss, f"must be one of {', '.join(POLICY_LOSSES.names())}")
+    yield from _one_of(cfg, "actor.loss_agg_mode", LOSS_AGG_MODES)
+    yield from _one_of(cfg, "actor.kl_loss_type", KL_ESTIMATORS)
+
+
+@rule
+def _engine_knobs(cfg: DictConfig, _: bool) -> Iterator[Violation]:
+    for role in ENGINE_ROLES:
+        m = f"{role}.megatron"
+        yield from _one_of(cfg, f"{m}.params_dtype", DTYPES)
+        yield from _one_of(cfg, f"{m}.recompute_granularity", RECOMPUTE)
+        if _get(cfg, f"{m}.sequence_parallel") and _get(cfg, f"{m}.tensor_model_parallel_size") == 1:
+            yield Violation(f"{m}.sequence_parallel", True, "sequence parallel splits activations over TP ranks: "
+                                                            "it needs tensor_model_parallel_size > 1")
+    if _get(cfg, "actor.use_kl_loss"):
+        # The reference engine lives in the actor's processes, and Megatron's parallel state is per process.
+        for key in (*PARALLEL_SIZES, "virtual_pipeline_model_parallel_size", "expert_tensor_parallel_size"):
+            ref, actor = _get(cfg, f"ref.megatron.{key}"), _get(cfg, f"actor.megatron.{key}")
+            if ref != actor:
+                yield Violation(f"ref.megatron.{key}", ref, f"the reference policy shares the actor's processes "
+                                                           f"and parallel layout: set it to the actor's ({actor})")
+    if not _get(cfg, "actor.use_dynamic_bsz"):
+        micro = _get(cfg, "actor.ppo_micro_batch_size_per_gpu")
+        if micro is None or micro < 1:
+            yield Violation("actor.ppo_micro_batch_size_per_gpu", micro,
+                            "must be >= 1 when actor.use_dynamic_bsz is false (micro-batches by sample count)")
+    else:
+        budget, longest = (_get(cfg, "actor.ppo_max_token_len_per_gpu"),
+                           _get(cfg, "data.max_prompt_length") + _get(cfg, "data.max_response_length"))
+        if budget < longest:
+            yield Violation("actor.ppo_max_token_len_per_gpu", budget,
+                            f"a micro-batch budget must hold the longest sample (data.max_prompt_length + "
+                            f"data.max_response_length = {longest} tokens)")
+
+
+@rule
+def _optimizers(cfg: DictConfig, _: bool) -> Iterator[Violation]:
+    for role in ("actor", "critic"):
+        o = f"{role}.optim"
+        lr, min_lr = _get(cfg, f"{o}.lr"), _get(cfg, f"{o}.min_lr")
+        yield from _at_least(cfg, f"{o}.lr", 0.0)
+        if min_lr < 0 or min_lr > lr:
+            yield Violation(f"{o}.min_lr", min_lr, f"must be in [0, {o}.lr={lr}]")
+        yield from _at_least(cfg, f"{o}.weight_decay", 0.0)
+        yield from _at_least(cfg, f"{o}.clip_grad", 0.0)
+        yield from _at_least(cfg, f"{o}.lr_warmup_steps", 0)
+        yield from _one_of(cfg, f"{o}.lr_decay_style", LR_DECAY_STYLES)
+        betas = list(_get(cfg, f"{o}.betas"))
+        if not all(0.0 <= b < 1.0 for b in betas):
+            yield Violation(f"{o}.betas", betas, "Adam's betas must each be in [0, 1)")
+    for path in ("actor.clip_ratio_low", "actor.clip_ratio_high", "actor.kl_loss_coef", "critic.cliprange_value"):
+        yield from _at_least(cfg, path, 0.0)
+    c = _get(cfg, "actor.clip_ratio_c")
+    if c <= 1.0:
+        yield Violation("actor.clip_ratio_c", c, "the dual-clip bound must be > 1")
+
+
+@rule
+def _run_and_rollout_ranges(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
+    yield from _one_of(cfg, "trainer.device", DEVICES)
+    for path in ("trainer.save_freq", "trainer.test_freq"):
+        if _get(cfg, path) == 0 or _get(cfg, path) < -1:
+            yield Violation(path, _get(cfg, path), "must be -1 (never) or a positive number of steps")
+    util = _get(cfg, "rollout.gpu_memory_utilization")
+    if not 0.0 < util <= 1.0:
+        yield Violation("rollout.gpu_memory_utilization", util,
+                        "the inference engine's memory budget (weights + KV cache) must be in (0, 1]")
+    for key in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+        value = _get(cfg, "rollout.engine_kwargs").get(key)
+        if value is not None and value <= 0:
+            yield Violation(f"rollout.engine_kwargs.{key}", value, "a KV-cache / batch budget must be > 0")
+    for path in ("reward.num_workers", "rollout.max_turns"):
+        yield from _at_least(cfg, path, 1)
+    for path in ("reward.timeout_s", "weight_sync.timeout_s"):
+        if _get(cfg, path) <= 0:
+            yield Violation(path, _get(cfg, path), "a timeout must be > 0 seconds")
+    for spec in _get(cfg, "rollout.tools"):
+        module, _, name = str(spec).partition(":")
+        if not module or not name:
+            yield Violation("rollout.tools", spec, "each tool is 'package.module:Class'")
+    if _get(cfg, "rollout.name") == "hf":
+        for key in ("tensor_model_parallel_size", "data_parallel_size", "pipeline_model_parallel_size"):
+            if _get(cfg, f"rollout.{key}") != 1:
+                yield Violation(f"rollout.{key}", _get(cfg, f"rollout.{key}"),
+                                "the hf rollout backend runs one process per replica: it must be 1")
+    if _get(cfg, "rollout.name") == "sglang" and _get(cfg, "rollout.pipeline_model_parallel_size") > 1:
+        yield Violation("rollout.pipeline_model_parallel_size", _get(cfg, "rollout.pipeline_model_parallel_size"),
+                        "the sglang adapter refuses pipeline parallel (weight updates assume one stage); use "
+                        "tensor_model_parallel_size, or vllm / trtllm")
+    resume = _get(cfg, "trainer.resume_mode")
+    if resume not in ("disable", "auto") and check_paths and not os.path.isfile(os.path.join(resume, "COMPLETE")):
+        yield Violation("trainer.resume_mode", resume, "must be disable, auto or a complete checkpoint folder "
+                                                       "(global_step_N with its COMPLETE marker)")
+    tokenizer = _get(cfg, "model.tokenizer_path")
+    if tokenizer and check_paths and not os.path.isdir(tokenizer):
+        yield Violation("model.tokenizer_path", tokenizer, "no such folder")
+    if _get(cfg, "model.trust_remote_code"):
+        yield Violation("model.trust_remote_code", True,
+                        "custom HF modelling code is not loaded (bridges map known architectures only)")
+
+
+# ---- rules that need the model's config.json (start-up, before any worker) -------------------------------------
+def hf_config(cfg: DictConfig, check_paths: bool) -> dict[str, Any] | None:
+    """The model folder's config.json as a dict, when paths are checked and it is there."""
+    path = os.path.join(str(_get(cfg, "model.path") or ""), "config.json")
+    if not check_paths or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _num_experts(hf: dict[str, Any]) -> int:
+    for key in ("num_experts", "n_routed_experts", "num_local_experts"):
+        if hf.get(key):
+            return int(hf[key])
+    return 0
+
+
+@rule
+def _model_shape(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
+    hf = hf_config(cfg, check_paths)
+    if hf is None:
+        return
+    if _get(cfg, "model.bridge_backend") == "mrl":
+        from bridges.registry import architectures
+
+        arch = (hf.get("architectures") or [None])[0]
+        if arch not in architectures():
+            yield Violation("model.path", _get(cfg, "model.path"), f"its architecture {arch!r} has no bridge; "
+                                                                    f"known: {', '.join(architectures())}")
+    heads = int(hf.get("num_attention_heads", 1))
+    kv_heads = int(hf.get("num_key_value_heads") or heads)
+    layers, experts = int(hf.get("num_hidden_layers", 1)), _num_experts(hf)
+    for role in ENGINE_ROLES:
+        m = f"{role}.megatron"
+        tp, pp, ep = (_get(cfg, f"{m}.{k}") for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                                      "expert_model_parallel_size"))
+        if tp >= 1 and (heads % tp or kv_heads % tp):
+            yield Violation(f"{m}.tensor_model_parallel_size", tp, f"must divide the model's attention heads "
+                                                                  f"({heads}) and key-value heads ({kv_heads})")
+        stages = pp * (_get(cfg, f"{m}.virtual_pipeline_model_parallel_size") or 1)
+        if pp >= 1 and layers % stages:
+            yield Violation(f"{m}.pipeline_model_parallel_size", pp,
+                            f"PP × VPP = {stages} model chunks must divide the model's {layers} layers")
+        if ep > 1 and (experts == 0 or experts % ep):
+            yield Violation(f"{m}.expert_model_parallel_size", ep,
+                            f"must divide the model's routed experts ({experts})" if experts else
+                            "the model has no experts (dense): expert parallel needs an MoE model")
+        if experts and tp > 1 and not _get(cfg, f"{m}.sequence_parallel"):
+            yield Violation(f"{m}.sequence_parallel", False, "Megatron needs sequence parallel for MoE with TP > 1")
+    rollout_tp = _get(cfg, "rollout.tensor_model_parallel_size")
+    if rollout_tp >= 1 and heads % rollout_tp:
+        yield Violation("rollout.tensor_model_parallel_size", rollout_tp,
+                        f"must divide the model's attention heads ({heads})")
+    context = hf.get("max_position_embeddings")
+    longest = _get(cfg, "data.max_prompt_length") + _get(cfg, "data.max_response_length")
+    if context and longest > context:
+        yield Violation("data.max_response_length", _get(cfg, "data.max_response_length"),
+                        f"max_prompt_length + max_response_length = {longest} exceeds the model's context "
+                        f"(max_position_embeddings = {context})")

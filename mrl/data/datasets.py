@@ -3,18 +3,50 @@
 Row layout (the common RL parquet layout, also read from JSONL): `prompt` (a list of {role, content} messages, or
 a plain string taken as one user message), `data_source`, `reward_model.ground_truth`, `extra_info`. Rows come
 out as dicts {messages, data_source, ground_truth, extra_info, uid}.
+
+Malformed rows (no prompt, a prompt that is not text or a list of {role, content} text messages, non-dict
+`reward_model`/`extra_info`, a JSONL line that is not JSON) are counted, logged once with their reasons and
+skipped when the dataset is read, so they can never reach (and crash) a training step.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+logger = logging.getLogger(__name__)
+
+
+class MalformedRow(ValueError):
+    """A dataset row that cannot become a prompt; the message says which field breaks which rule."""
+
+
+def _check_row(row: Any, prompt_key: str) -> None:
+    if not isinstance(row, dict):
+        raise MalformedRow(f"a row must be an object, got {type(row).__name__}")
+    prompt = row.get(prompt_key)
+    if prompt is None:
+        raise MalformedRow(f"no {prompt_key!r} field")
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise MalformedRow(f"{prompt_key!r} is empty")
+    elif not isinstance(prompt, list) or not prompt:
+        raise MalformedRow(f"{prompt_key!r} must be a string or a non-empty list of messages, got {prompt!r:.60}")
+    elif not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                 for m in prompt):
+        raise MalformedRow(f"every message of {prompt_key!r} needs a text 'role' and 'content'")
+    for key in ("reward_model", "extra_info"):
+        if row.get(key) is not None and not isinstance(row[key], dict):
+            raise MalformedRow(f"{key!r} must be an object, got {type(row[key]).__name__}")
+
 
 def normalize_row(row: dict[str, Any], index: int, prompt_key: str = "prompt") -> dict[str, Any]:
+    """One row in the trainer's layout; raises MalformedRow for a row that cannot be a prompt."""
+    _check_row(row, prompt_key)
     prompt = row[prompt_key]
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
     reward_model = row.get("reward_model") or {}
@@ -39,8 +71,16 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         text = path.read_text()
         if path.suffix == ".json":
             return list(json.loads(text))
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
+        return [_json_line(line) for line in text.splitlines() if line.strip()]
     raise ValueError(f"{path}: unsupported dataset format (use .parquet, .jsonl or .json)")
+
+
+def _json_line(line: str) -> Any:
+    """A JSONL line; one that is not JSON becomes a marker row that RLDataset counts and skips."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
+        return MalformedRow(f"not JSON ({err.msg}): {line[:60]!r}")
 
 
 def write_rows(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
@@ -58,8 +98,20 @@ def write_rows(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
 
 
 class RLDataset:
-    def __init__(self, rows: Sequence[dict[str, Any]], prompt_key: str = "prompt") -> None:
-        self.rows = [normalize_row(r, i, prompt_key) for i, r in enumerate(rows)]
+    def __init__(self, rows: Sequence[Any], prompt_key: str = "prompt") -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.skipped: list[tuple[int, str]] = []  # (row index, reason) of every malformed row
+        for i, row in enumerate(rows):
+            try:
+                if isinstance(row, MalformedRow):
+                    raise row
+                self.rows.append(normalize_row(row, i, prompt_key))
+            except MalformedRow as err:
+                self.skipped.append((i, str(err)))
+        if self.skipped:
+            shown = "; ".join(f"row {i}: {why}" for i, why in self.skipped[:5])
+            logger.warning("skipped %d malformed dataset rows of %d (%s%s)", len(self.skipped), len(rows), shown,
+                           ", ..." if len(self.skipped) > 5 else "")
 
     @classmethod
     def from_files(cls, paths: Sequence[str], prompt_key: str = "prompt") -> RLDataset:
@@ -71,17 +123,46 @@ class RLDataset:
     def __getitem__(self, i: int) -> dict[str, Any]:
         return self.rows[i]
 
-    def batches(self, batch_size: int, *, shuffle: bool = True, seed: int = 1) -> Iterator[list[dict[str, Any]]]:
+    def batches(self, batch_size: int, *, shuffle: bool = True, seed: int = 1) -> PromptBatches:
         """Endless full batches, reshuffled each epoch (a remainder smaller than a batch waits for the next)."""
-        if batch_size > len(self.rows):
-            raise ValueError(f"data.train_batch_size={batch_size} exceeds the dataset's {len(self.rows)} prompts")
-        rng = random.Random(seed)
-        pending: list[dict[str, Any]] = []
-        while True:
+        return PromptBatches(self.rows, batch_size, shuffle=shuffle, seed=seed)
+
+
+class PromptBatches:
+    """The trainer's dataloader: an endless iterator of full batches whose position (shuffle RNG, the rest of the
+    current epoch, batches drawn) is a small state dict, so a resumed run draws exactly the batches the
+    interrupted one would have."""
+
+    def __init__(self, rows: Sequence[dict[str, Any]], batch_size: int, *, shuffle: bool = True, seed: int = 1):
+        if batch_size > len(rows):
+            raise ValueError(f"data.train_batch_size={batch_size} exceeds the dataset's {len(rows)} prompts")
+        self.rows = rows
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.rng = random.Random(seed)
+        self.pending: list[int] = []  # row indices not yet served, in order
+        self.drawn = 0
+
+    def __iter__(self) -> Iterator[list[dict[str, Any]]]:
+        return self
+
+    def __next__(self) -> list[dict[str, Any]]:
+        while len(self.pending) < self.batch_size:
             order = list(range(len(self.rows)))
-            if shuffle:
-                rng.shuffle(order)
-            pending += [self.rows[i] for i in order]
-            while len(pending) >= batch_size:
-                yield pending[:batch_size]
-                pending = pending[batch_size:]
+            if self.shuffle:
+                self.rng.shuffle(order)
+            self.pending += order
+        batch, self.pending = self.pending[: self.batch_size], self.pending[self.batch_size :]
+        self.drawn += 1
+        return [self.rows[i] for i in batch]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": self.rng.getstate(), "pending": list(self.pending), "drawn": self.drawn,
+                "num_rows": len(self.rows), "batch_size": self.batch_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["num_rows"] != len(self.rows):
+            raise ValueError(f"the checkpoint's dataloader position is for {state['num_rows']} prompts, but "
+                             f"data.train_files now hold {len(self.rows)}: resume with the same training data")
+        self.rng.setstate(state["rng"])
+        self.pending, self.drawn = list(state["pending"]), state["drawn"]

@@ -87,3 +87,33 @@ def test_single_turn_loop_returns_the_engine_output_verbatim(engine):
         SAMPLE["messages"], add_generation_prompt=True, tokenize=True)["input_ids"]
     assert traj.response_ids == out.token_ids and traj.rollout_log_probs == out.log_probs
     assert traj.response_mask == [1] * len(out.token_ids) and traj.seed == SAMPLING["seed"]
+
+
+class BrokenTool(Tool):
+    """Every turn calls it; the first call raises or returns a non-text object, depending on `failure`."""
+
+    name = "broken"
+
+    def __init__(self, failure):
+        self.failure = failure
+
+    def parse(self, text):
+        return text
+
+    async def execute(self, arguments):
+        if self.failure == "raise":
+            raise RuntimeError("tool backend down")
+        return {"not": "text"}
+
+
+@pytest.mark.parametrize("failure", ["raise", "non_text"])
+def test_a_malformed_tool_output_is_counted_and_ends_the_session(engine, failure, caplog):
+    adapter, tokenizer = engine
+    client = InProcessClient(adapter)
+    loop = ToolAgentLoop(tokenizer, client, max_response_length=200, tools=[BrokenTool(failure)], max_turns=3)
+    with caplog.at_level("WARNING", logger="mrl.rollout.agent_loop.base"):
+        traj = asyncio.run(loop.run("s2", SAMPLE, SAMPLING))
+    ((_, out),) = client.calls  # one model turn, then the failed tool call ended the session
+    assert traj.tool_errors == 1 and traj.num_turns == 1
+    assert traj.response_ids == out.token_ids and traj.response_mask == [1] * len(out.token_ids)
+    assert "tool broken failed" in caplog.text

@@ -6,11 +6,14 @@ Token fidelity: `response_ids` are exactly the ids the engine returned, concaten
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
 from mrl.rollout.client import LLMServerClient
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -25,6 +28,7 @@ class Trajectory:
     stop_reason: str = "stop"
     num_turns: int = 0
     seed: int | None = None  # the sampling seed of the session's first turn: a run can be replayed
+    tool_errors: int = 0  # tool calls that raised or returned no text (the session ended there)
 
     def extend(self, ids: list[int], log_probs: list[float] | None, model: bool) -> None:
         self.response_ids += ids
@@ -109,15 +113,38 @@ class ToolAgentLoop(AgentLoop):
             traj.record_version(out.version)
             traj.stop_reason = out.stop_reason
             traj.num_turns += 1
-            call = self._find_call(self.tokenizer.decode(out.token_ids, skip_special_tokens=True))
-            if call is None or out.stop_reason != "stop" or traj.num_turns >= self.max_turns:
+            if out.stop_reason != "stop" or traj.num_turns >= self.max_turns:
                 break  # an observation after the last turn would never be read by the model
-            tool, arguments = call
-            obs = self.observation_ids(await tool.execute(arguments))
+            text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            observation = await self._observe(session_id, text, traj)
+            if observation is None:
+                break
+            obs = self.observation_ids(observation)
             room = self.max_response_length - len(traj.response_ids)
             traj.extend(obs[:room], None, model=False)
         await self.client.end_session(session_id)
         return traj
+
+    async def _observe(self, session_id: str, text: str, traj: Trajectory) -> str | None:
+        """The observation for the tool call in `text`, or None: no call, or a malformed tool output (the tool
+        raised, or returned something other than text). A malformed one is counted on the trajectory and logged,
+        and the session ends on the model's turn: the trajectory still trains, the step never sees the error."""
+        name = "?"
+        try:
+            call = self._find_call(text)
+            if call is None:
+                return None
+            tool, arguments = call
+            name = tool.name
+            observation = await tool.execute(arguments)
+            if not isinstance(observation, str):
+                raise TypeError(f"returned {type(observation).__name__}, not text")
+            return observation
+        except Exception as err:  # a tool is user code: any failure ends this session, never the step
+            traj.tool_errors += 1
+            logger.warning("session %s: tool %s failed (%s: %s); the session ends at turn %d", session_id, name,
+                           type(err).__name__, err, traj.num_turns)
+            return None
 
     def _find_call(self, text: str) -> tuple[Tool, Any] | None:
         for tool in self.tools:
