@@ -300,14 +300,32 @@ class MegatronEngine(BaseEngine):
         return {k: float(v) if k == "loss" else float(v) / dp for k, v in zip(keys, values.tolist())}
 
     def optimizer_step(self) -> dict[str, float]:
+        """Clip and update, unless the gradients hold NaN/Inf anywhere: then the update is skipped on every rank
+        (weights, Adam moments and LR schedule untouched) and `update_ok` is False. fp16 runs leave that check to
+        Megatron's loss scaler, which also lowers its scale; fp32/bf16 have no scaler, and Megatron would apply
+        a NaN gradient norm to the weights."""
         if self.optimizer is None:
             raise RuntimeError("this engine was built without an optimizer (optim=None)")
-        ok, grad_norm, _ = self.optimizer.step()
+        ok, grad_norm = False, None
+        if self.tf_config.fp16 or self._grads_finite():
+            ok, grad_norm, _ = self.optimizer.step()
         lr = self.optimizer.param_groups[0]["lr"]
         if ok:
             self.scheduler.step(increment=1)
         self._zero_grads()
         return {"grad_norm": float(grad_norm) if grad_norm is not None else math.nan, "lr": lr, "update_ok": ok}
+
+    def _grads_finite(self) -> bool:
+        """Whether every gradient of every rank is finite. After the DP reduction each rank holds its own TP/PP
+        shard (and, with the distributed optimizer, its reduced DP slice beside its local gradients), so the
+        verdict is a MAX over all ranks: they must all skip or all update, never leave the weights half-updated."""
+        bad = torch.zeros(1, dtype=torch.float32, device=_device())
+        for chunk in self.model:
+            for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                if not bool(torch.isfinite(buffer.grad_data).all()):
+                    bad.fill_(1.0)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bool(bad.item())
 
     def _zero_grads(self) -> None:
         for chunk in self.model:
