@@ -283,13 +283,15 @@ class TrainerConfig:
     experiment_name: str = "run"
     # Run folder: metrics.jsonl, rollouts.jsonl, checkpoints.
     default_local_dir: str = "runs/${trainer.project_name}/${trainer.experiment_name}"
-    # Checkpoint every this many steps (-1: never).
+    # Checkpoint every this many steps (-1: never) into default_local_dir/global_step_N (engines, optimizer, LR
+    # schedule, dataloader position, RNG states, replay buffer), written atomically.
     save_freq: int = -1
     # Validate every this many steps (-1: never).
     test_freq: int = -1
     # Validate once before the first step.
     val_before_train: bool = True
-    # Reserved: resuming from checkpoints is not wired yet.
+    # disable | auto | a checkpoint folder: auto resumes from the latest complete global_step_N under
+    # default_local_dir (a fresh start when there is none); a folder resumes from that checkpoint.
     resume_mode: str = "auto"
     # Loggers: console and jsonl.
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +22,9 @@ from mrl.data.batch import Batch
 from mrl.data.datasets import RLDataset
 from mrl.data.replay_buffer import ReplayBuffer, pad_with_noops
 from mrl.reward.evaluator import RewardEvaluator, RewardItem
-from mrl.trainer import batching
+from mrl.trainer import batching, checkpointing
 from mrl.trainer.metrics import RunLogger, StageTimer
+from mrl.utils.rng import rng_state, set_rng_state
 
 
 @dataclass
@@ -47,7 +47,9 @@ TOKEN_LEVEL_ESTIMATORS = ("gae",)
 def mean_over_updates(per_rank: list[dict[str, Any]], prefix: str = "critic") -> dict[str, float]:
     """Metrics of every optimizer update of every DP rank, averaged; unprefixed engine keys get `prefix/`."""
     steps = [s for rank in per_rank for s in rank["steps"]]
-    out = {f"{prefix}/updates": per_rank[0]["updates"]}
+    out = {f"{prefix}/updates": per_rank[0]["updates"],
+           # NaN/Inf loss or gradients: the engine skipped the update on every rank (same count on each)
+           f"{prefix}/skipped_updates": sum(not s.get("update_ok", True) for s in per_rank[0]["steps"])}
     for key in steps[0] if steps else []:
         out[key if "/" in key else f"{prefix}/{key}"] = sum(float(s[key]) for s in steps) / len(steps)
     return out
@@ -60,7 +62,7 @@ class PPOTrainer:
         self.logger = logger or RunLogger(None)
         self.global_steps = 0
         self.buffer = ReplayBuffer(filter_equal_rewards=config.data.dynamic_sampling)
-        self.prompts: Iterator[list[dict[str, Any]]] = parts.train_data.batches(
+        self.prompts = parts.train_data.batches(
             config.data.train_batch_size, shuffle=config.data.shuffle, seed=config.data.seed
         )
         self.adv_config = AdvantageConfig(
@@ -68,9 +70,11 @@ class PPOTrainer:
             norm_adv_by_std_in_grpo=config.algorithm.norm_adv_by_std_in_grpo,
         )
         self.timer = StageTimer()
+        self.updates_all_skipped = False  # the last step's actor updates were all skipped (non-finite)
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def fit(self) -> list[dict[str, Any]]:
+        self.resume()
         if self.config.trainer.val_before_train and self.parts.val_data is not None:
             self.logger.log(0, self.validate())
         while self.global_steps < self.config.trainer.total_training_steps:
@@ -104,6 +108,11 @@ class PPOTrainer:
         with t("update_actor"):
             actor_out = self.parts.actor_rollout.update_actor(self.actor_inputs(batch), self.num_updates)
         self.global_steps += 1
+        steps = actor_out[0]["steps"]
+        self.updates_all_skipped = bool(steps) and all(not s["update_ok"] for s in steps)
+        if self.updates_all_skipped:
+            print(f"[mrl] step {self.global_steps}: every actor update was skipped (NaN/Inf loss or gradients); "
+                  "the rollout keeps the last good weights", flush=True)
         if c.trainer.save_freq > 0 and self.global_steps % c.trainer.save_freq == 0:
             with t("save_checkpoint"):
                 self.save_checkpoint()
@@ -134,6 +143,8 @@ class PPOTrainer:
 
     def sync_weights(self) -> None:
         hybrid = self.config.rollout.mode == "hybrid"
+        if self.updates_all_skipped and not hybrid:
+            return  # the actor did not change: replicas keep the last good weights and their version
         if hybrid:
             self.parts.rollout.wake_up(["weights"])
         self.parts.actor_rollout.update_weights(self.global_steps)
@@ -202,11 +213,45 @@ class PPOTrainer:
             batch["advantage"] = batching.scalar_advantages(batch, estimator, self.adv_config)
         return batch
 
-    def save_checkpoint(self) -> None:
-        root = f"{self.config.trainer.default_local_dir}/global_step_{self.global_steps}"
-        self.parts.actor_rollout.save_checkpoint(f"{root}/actor")
+    # ---- checkpoints (mrl/trainer/checkpointing.py: layout, atomic commit, which one to resume) -------------
+    def save_checkpoint(self) -> str:
+        """Engines (actor, critic) and driver state of this step, committed atomically; returns the folder."""
+        root = self.config.trainer.default_local_dir
+        staging = checkpointing.staging_dir(root, self.global_steps)
+        self.parts.actor_rollout.save_checkpoint(f"{staging}/actor")
         if self.parts.critic is not None:
-            self.parts.critic.save_checkpoint(f"{root}/critic")
+            self.parts.critic.save_checkpoint(f"{staging}/critic")
+        checkpointing.save_trainer_state(staging, {
+            "global_steps": self.global_steps, "dataloader": self.prompts.state_dict(), "buffer": self.buffer,
+            "rng": rng_state(),
+        })
+        final = checkpointing.step_dir(root, self.global_steps)
+        checkpointing.commit(staging, final)
+        return final
+
+    def load_checkpoint(self, path: str) -> None:
+        self.parts.actor_rollout.load_checkpoint(f"{path}/actor")
+        if self.parts.critic is not None:
+            self.parts.critic.load_checkpoint(f"{path}/critic")
+        state = checkpointing.load_trainer_state(path)
+        self.global_steps = state["global_steps"]
+        self.prompts.load_state_dict(state["dataloader"])
+        self.buffer = state["buffer"]
+        set_rng_state(state["rng"])
+
+    def resume(self) -> str | None:
+        """Per `trainer.resume_mode`: load the checkpoint and push its weights to the rollout replicas, which
+        started from model.path. Returns the folder resumed from (None: a fresh start)."""
+        path = checkpointing.resume_path(self.config.trainer.resume_mode, self.config.trainer.default_local_dir)
+        if path is None:
+            return None
+        self.load_checkpoint(path)
+        if self.config.rollout.mode == "hybrid":  # as after a step: the trainer holds the devices, rollout sleeps
+            self.parts.rollout.sleep(level=2)
+            self.parts.actor_rollout.onload()
+        self.sync_weights()
+        print(f"[mrl] resumed from {path} at global step {self.global_steps}", flush=True)
+        return path
 
     def validate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out split (and pass@k with k temperature samples when val_pass_k > 0)."""
@@ -235,6 +280,8 @@ class PPOTrainer:
 
     @property
     def num_critic_updates(self) -> int:
+        if self.parts.critic is None:  # no critic: its mini-batch size (unchecked then) must not shape batches
+            return 1
         return self.config.data.train_batch_size // self.config.critic.ppo_mini_batch_size
 
     @property
@@ -266,6 +313,7 @@ class PPOTrainer:
             "reward/mean": float(scores.mean()),
             "response_length/mean": gen_tokens / max(len(real), 1),
             "buffer/evicted_groups": self.buffer.evicted,
+            "rollout/tool_errors": sum(t.get("tool_errors", 0) for t in real),
             "perf/gen_tokens_per_s": gen_tokens / max(self.timer.seconds.get("gen", 0.0), 1e-9),
         }
         metrics.update(mean_over_updates(actor_out, prefix="actor"))

@@ -109,3 +109,8 @@ class CriticWorker(Worker):
     def save_checkpoint(self, path: str) -> None:
         assert self.critic is not None, "init_model first"
         self.critic.save_checkpoint(path)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        assert self.critic is not None, "init_model first"
+        self.critic.load_checkpoint(path)

@@ -5,6 +5,8 @@ checkpoint written under one TP/PP/DP layout loads under another: each rank read
 shards cover. The distributed optimizer's state is saved in "fully sharded model space" (per-parameter, not
 per-DP-bucket), the only form that survives a change of layout. Model chunks are keyed `model`, or `model0`,
 `model1`, … with virtual pipeline stages, as Megatron-LM does, so checkpoints stay readable by its tools.
+Each rank also writes its random generator states (`rng/rank_<r>.pt`, Megatron's model-parallel tracker
+included); they are restored only under the same world size, where rank r is the same shard again.
 """
 
 from __future__ import annotations
@@ -44,6 +46,42 @@ def save(path: str, chunks: list[Any], optimizer: Any = None, scheduler: Any = N
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()  # plain (common) state: identical on every rank
     dist_checkpointing.save(state, path)
+    _save_rng(path)
+
+
+def _rng_file(path: str) -> str:
+    import torch.distributed as dist
+
+    return os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt")
+
+
+def _save_rng(path: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    from mrl.utils.rng import rng_state
+
+    os.makedirs(os.path.join(path, "rng"), exist_ok=True)
+    state = {"world_size": dist.get_world_size(), "process": rng_state(),
+             "tracker": get_cuda_rng_tracker().get_states()}
+    torch.save(state, _rng_file(path))
+
+
+def _load_rng(path: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    from mrl.utils.rng import set_rng_state
+
+    if not os.path.isfile(_rng_file(path)):
+        return
+    state = torch.load(_rng_file(path), weights_only=False)
+    if state["world_size"] != dist.get_world_size():
+        return  # another layout: rank r holds another shard, its old streams mean nothing here
+    set_rng_state(state["process"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
 
 
 def _is_distributed(optimizer: Any) -> bool:
@@ -108,4 +146,8 @@ def load(path: str, chunks: list[Any], optimizer: Any = None, scheduler: Any = N
     elif optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None:
+        # Megatron's scheduler loads by stepping `num_steps` forward from where it stands: start from 0, so an
+        # engine that already trained is not advanced twice.
+        scheduler.num_steps = 0
         scheduler.load_state_dict(loaded["scheduler"])
+    _load_rng(path)

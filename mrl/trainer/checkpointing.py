@@ -1,0 +1,83 @@
+"""Trainer checkpoints on disk: the folder layout, atomic commits and which checkpoint a run resumes from.
+
+A checkpoint is `<trainer.default_local_dir>/global_step_<N>/` holding `actor/` (and `critic/`): the engines'
+dist-checkpoints (model, optimizer, LR schedule, per-rank RNG), and `trainer_state.pt`: the driver's global step,
+dataloader position, replay buffer and RNG states. It is written into a hidden staging folder; the `COMPLETE`
+marker is written last and the folder is then renamed into place, so a run killed mid-save leaves only a staging
+folder (or a folder without the marker), which `latest_checkpoint` never picks. Workers and driver must see the
+same filesystem (one machine, or a shared mount on a cluster).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from typing import Any
+
+import torch
+
+COMPLETE = "COMPLETE"
+TRAINER_STATE = "trainer_state.pt"
+STEP_DIR = re.compile(r"^global_step_(\d+)$")
+RESUME_KEYWORDS = ("disable", "auto")
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"global_step_{step}")
+
+
+def is_complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, COMPLETE))
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The complete `global_step_N` folder with the largest N under `root`, or None."""
+    if not os.path.isdir(root):
+        return None
+    steps = [(int(m.group(1)), name) for name in os.listdir(root) if (m := STEP_DIR.match(name))]
+    for _, name in sorted(steps, reverse=True):
+        if is_complete(os.path.join(root, name)):
+            return os.path.join(root, name)
+    return None
+
+
+def resume_path(resume_mode: str, root: str) -> str | None:
+    """The checkpoint a run starts from: none (`disable`), the latest complete one under `root` (`auto`; none
+    there means a fresh start), or the folder `resume_mode` names, which must be a complete checkpoint."""
+    if resume_mode == "disable":
+        return None
+    if resume_mode == "auto":
+        return latest_checkpoint(root)
+    if not is_complete(resume_mode):
+        raise FileNotFoundError(f"trainer.resume_mode={resume_mode!r}: not a complete checkpoint folder (no "
+                                f"{COMPLETE} marker); use disable, auto or a global_step_N folder")
+    return resume_mode
+
+
+def staging_dir(root: str, step: int) -> str:
+    """An empty hidden folder beside the final one (same filesystem, so the commit is a rename)."""
+    path = os.path.join(root, f".staging_global_step_{step}")
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    return path
+
+
+def commit(staging: str, final: str) -> None:
+    """Mark `staging` complete, then rename it to `final` (replacing an older folder of the same step)."""
+    with open(os.path.join(staging, COMPLETE), "w") as f:
+        f.write("ok\n")
+        f.flush()
+        os.fsync(f.fileno())
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.rename(staging, final)
+
+
+def save_trainer_state(path: str, state: dict[str, Any]) -> None:
+    torch.save(state, os.path.join(path, TRAINER_STATE))
+
+
+def load_trainer_state(path: str) -> dict[str, Any]:
+    # The file holds Python objects (RNG tuples, the replay buffer's trajectories) that only this run wrote.
+    return torch.load(os.path.join(path, TRAINER_STATE), weights_only=False)
