@@ -8,7 +8,7 @@
   saved at TP=1, loaded at TP=2.
 - The same with Megatron's distributed optimizer (its state resharded from TP=2×DP=1 to TP=1×DP=2), including a
   checkpoint saved before the first optimizer step (Adam state not created yet): loaded at TP=1, the first step's
-  loss is the TP=2 run's.
+  loss is the TP=2 run's; the TP=2 checkpoint also continues identically at PP=2.
 """
 
 from __future__ import annotations
@@ -47,11 +47,12 @@ def loss_fn(outputs, mb, normalizer):
     return agg_loss(-mb["advantages"] * outputs["log_probs"], mb["response_mask"], "token-mean", normalizer), {}
 
 
-def engine(path: str, tp: int, distributed_optimizer: bool = True):
+def engine(path: str, tp: int, distributed_optimizer: bool = True, pp: int = 1):
     from mrl.config.schema import MegatronConfig, OptimConfig
     from mrl.engine.megatron.engine import MegatronEngine
 
-    cfg = MegatronConfig(tensor_model_parallel_size=tp, use_distributed_optimizer=distributed_optimizer)
+    cfg = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                         use_distributed_optimizer=distributed_optimizer)
     e = MegatronEngine(
         path, cfg, OptimConfig(lr=1e-3, lr_warmup_steps=0, lr_decay_style="linear"), micro_batch_size=2, total_steps=6
     )
@@ -117,11 +118,16 @@ def run(rank: int, world: int, path: str, ckpt_dir: str) -> dict:
         first = step(dist2)
         dist2.save_checkpoint(f"{ckpt_dir}/dist_tp2_step1")
         dist2_losses = [first, step(dist2), step(dist2)]
+        # (each engine trains before the next one is built: Megatron's parallel state is one per process)
         dist1 = engine(path, 1)
         dist1.load_checkpoint(f"{ckpt_dir}/dist_tp2_step1")
+        out["dist_reshard"] = {"tp2": dist2_losses, "tp1": [step(dist1), step(dist1)]}
         fresh = engine(path, 1)
         fresh.load_checkpoint(f"{ckpt_dir}/dist_tp2_step0")
-        out["dist_reshard"] = {"tp2": dist2_losses, "tp1": [step(dist1), step(dist1)], "from_step0": [step(fresh)]}
+        out["dist_reshard"]["from_step0"] = [step(fresh)]
+        pp2 = engine(path, 1, pp=2)
+        pp2.load_checkpoint(f"{ckpt_dir}/dist_tp2_step1")
+        out["dist_reshard"]["pp2"] = [step(pp2), step(pp2)]
     finally:
         teardown()
     return out
@@ -144,4 +150,5 @@ def test_offload_round_trip_and_checkpoint_resharding(tmp_path):
         dist = r["dist_reshard"]
         assert len(set(dist["tp2"])) == 3
         assert all(abs(a - b) < 1e-5 for a, b in zip(dist["tp1"], dist["tp2"][1:])), dist
+        assert all(abs(a - b) < 1e-5 for a, b in zip(dist["pp2"], dist["tp2"][1:])), dist
         assert abs(dist["from_step0"][0] - dist["tp2"][0]) < 1e-5, dist
