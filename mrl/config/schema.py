@@ -217,6 +217,27 @@ class RolloutConfig:
     num_replicas: int = 0
     # Extra engine arguments passed to the backend verbatim (e.g. vLLM's max_num_batched_tokens).
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Times one generate call is retried on another (or the restarted) replica after its replica failed.
+    max_request_retries: int = 3
+    # Seconds a call waits for a replica to serve again when none is registered (all failed and restarting).
+    request_retry_wait_s: float = 300.0
+    # Seconds between health probes of the replicas (a driver thread); 0 turns probes and restarts off.
+    health_check_interval_s: float = 5.0
+    # A replica whose health probe is not answered within this many seconds is failed: killed and replaced.
+    health_check_timeout_s: float = 60.0
+    # Replacements of one replica before it is dropped for the rest of the run.
+    max_replica_restarts: int = 3
+    # Seconds every replica may take to answer a control call (sleep, wake, abort, resume, cache, health).
+    control_timeout_s: float = 600.0
+    # Seconds the agent loops may take to return the trajectories of one generation round.
+    generate_timeout_s: float = 3600.0
+    # Address the inference engines' own endpoints listen on (SGLang's HTTP server, vLLM's VLLM_HOST_IP and NIXL
+    # side channel). Their weight-update endpoints take pickled tensors, so anything but loopback needs
+    # allow_remote_access.
+    server_host: str = "127.0.0.1"
+    # Allow a non-loopback server_host (or a remote SGLang server): whoever reaches those ports can replace the
+    # weights or run code in the engine. Trusted networks only.
+    allow_remote_access: bool = False
 
 
 @dataclass
@@ -302,6 +323,9 @@ class TrainerConfig:
     # auto | cuda | cpu: whether workers ask Ray for GPUs; auto uses CUDA where it is available, so a CPU-only
     # machine runs the same code with CPU bundles standing in for devices.
     device: str = "auto"
+    # Seconds every worker may take to answer one group call (init, log-probs, updates, weight export); past it
+    # the call fails naming the method and the ranks that did not answer.
+    dispatch_timeout_s: float = 3600.0
 
 
 @dataclass

@@ -397,3 +397,25 @@ def _model_shape(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
         yield Violation("data.max_response_length", _get(cfg, "data.max_response_length"),
                         f"max_prompt_length + max_response_length = {longest} exceeds the model's context "
                         f"(max_position_embeddings = {context})")
+
+
+@rule
+def _fault_limits(cfg: DictConfig, _: bool) -> Iterator[Violation]:
+    # A zero or negative limit would fail every call at once rather than bound a hang.
+    for path in ("rollout.request_retry_wait_s", "rollout.health_check_timeout_s", "rollout.control_timeout_s",
+                 "rollout.generate_timeout_s", "trainer.dispatch_timeout_s"):
+        if _get(cfg, path) <= 0:
+            yield Violation(path, _get(cfg, path), "must be > 0 seconds (it bounds how long a call may hang)")
+    for path in ("rollout.max_request_retries", "rollout.max_replica_restarts", "rollout.health_check_interval_s"):
+        yield from _at_least(cfg, path, 0)
+
+
+@rule
+def _server_host(cfg: DictConfig, _: bool) -> Iterator[Violation]:
+    from rollout_adapters.network import is_loopback
+
+    host = _get(cfg, "rollout.server_host")
+    if not _get(cfg, "rollout.allow_remote_access") and not is_loopback(str(host)):
+        yield Violation("rollout.server_host", host,
+                        "not a loopback address: the engines' weight-update endpoints take pickled tensors; keep "
+                        "127.0.0.1 or set rollout.allow_remote_access=true (trusted networks only)")

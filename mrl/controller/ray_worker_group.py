@@ -35,6 +35,14 @@ class WorkerGroupStartTimeout(RuntimeError):
     pass
 
 
+class DispatchTimeoutError(TimeoutError):
+    pass
+
+
+# A hung collective or a dead peer must end in an error that says where, not in a driver waiting forever.
+DEFAULT_CALL_TIMEOUT_S = 3600.0
+
+
 def _shareable(value: Any) -> bool:
     """Worth one ray.put when several ranks receive the same object (a chunk seen by all TP ranks of a DP
     group, a ONE_TO_ALL batch): small scalars and refs are not."""
@@ -49,6 +57,7 @@ class RayWorkerGroup(WorkerGroup):
         name_prefix: str | None = None,
         master_addr: str | None = DEFAULT_MASTER_ADDR,
         start_timeout_s: float | None = None,
+        call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
     ) -> None:
         """Create one actor per slot of resource_pool, named `{name_prefix}_{rank}`.
 
@@ -56,9 +65,11 @@ class RayWorkerGroup(WorkerGroup):
         port in their environment. master_addr=None uses the IP of rank 0's node (needed across nodes).
         Workers that cannot start within start_timeout_s (default: the pool's timeout) — typically because more
         than max_colocate_count groups were put on the pool — are killed and WorkerGroupStartTimeout is raised;
-        an exception in a worker's constructor is raised here too.
+        an exception in a worker's constructor is raised here too. A group call whose workers do not all answer
+        within call_timeout_s (trainer.dispatch_timeout_s) raises DispatchTimeoutError naming the silent ranks.
         """
         super().__init__(resource_pool.world_size)
+        self.call_timeout_s = call_timeout_s
         self.name_prefix = name_prefix or f"{ray_cls_with_init.cls.__name__}_{uuid.uuid4().hex[:8]}"
         self._worker_cls = ray_cls_with_init.cls
         timeout = resource_pool.timeout_s if start_timeout_s is None else start_timeout_s
@@ -105,6 +116,7 @@ class RayWorkerGroup(WorkerGroup):
         view = cls.__new__(cls)
         WorkerGroup.__init__(view, parent.world_size, role=role)
         view.name_prefix = parent.name_prefix
+        view.call_timeout_s = parent.call_timeout_s
         view._worker_cls = role_cls
         view._workers = parent._workers
         view._bind_worker_methods(role_cls, worker_prefix=f"{role}_")
@@ -150,7 +162,22 @@ class RayWorkerGroup(WorkerGroup):
             for r, a, k, keep in zip(plan.ranks, plan.args, plan.kwargs, plan.keep)
         ]
 
-    def _resolve(self, handles: list[Any]) -> list[Any]:
+    def _resolve(self, handles: list[Any], method: str = "", ranks: list[int] | None = None) -> list[Any]:
+        ranks = list(range(len(handles))) if ranks is None else ranks
+        deadline = time.monotonic() + self.call_timeout_s
+        pending = list(handles)
+        while pending:
+            # One at a time, so that a worker's error surfaces at once instead of after the ranks blocked on it
+            # (in a collective with the failed rank) reach the time limit.
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+            if not ready:
+                silent = [r for r, h in zip(ranks, handles) if h in pending]
+                raise DispatchTimeoutError(
+                    f"{self.name_prefix}.{method}: rank(s) {silent} of {self.world_size} did not answer within "
+                    f"{self.call_timeout_s:g} s (trainer.dispatch_timeout_s); the other called rank(s) "
+                    f"{[r for r in ranks if r not in silent]} did"
+                )
+            ray.get(ready)
         return ray.get(handles)
 
     def kill(self) -> None:

@@ -48,8 +48,9 @@ class WorkerGroup:
         are done, returning its result only if plan.keep[i]); return one handle per call."""
         raise NotImplementedError
 
-    def _resolve(self, handles: list[Any]) -> list[Any]:
-        """Wait for handles and return their values, raising the first worker error."""
+    def _resolve(self, handles: list[Any], method: str = "", ranks: list[int] | None = None) -> list[Any]:
+        """Wait for handles (the calls of `method` on `ranks`) and return their values, raising the first worker
+        error, or an error naming the method and the silent ranks when the transport's time limit passes."""
         raise NotImplementedError
 
     # --- binding ---
@@ -74,7 +75,7 @@ class WorkerGroup:
         layout = self._layout(spec)
         plan = plan_call(worker_method, spec, self._world_size, args, kwargs, layout)
         handles = self._execute(worker_method, plan)
-        future = GroupFuture(handles, plan.collect, self._resolve)
+        future = GroupFuture(handles, plan.collect, lambda hs: self._resolve(hs, worker_method, plan.ranks))
         return future.get() if spec.blocking else future
 
     # --- meshes ---

@@ -3,18 +3,70 @@
 `LLMServerClient.generate(request_id, prompt_ids, sampling_params) -> TokenOutput`: `request_id` is the high-level
 session (trajectory) id used for sticky routing; the server gives every call its own engine request id.
 `FullyAsyncLLMServerClient` additionally makes aborts for weight syncs invisible (partial rollout, see below).
+
+A call whose replica fails (its process died, or its engine reports itself dead) is retried on another replica,
+or on the restarted one, up to `FaultPolicy.max_request_retries` times; the failed attempt returned nothing, so
+every call completes exactly once. `LLMServerManager` restarts and re-syncs the failed replica.
 """
 
 from __future__ import annotations
 
 import asyncio
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
+from mrl.rollout.load_balancer import NoServerError
 from rollout_adapters.base import TokenOutput
+
+
+@dataclass(frozen=True)
+class FaultPolicy:
+    """How the rollout side rides over failed and hung replicas; each field is the `rollout.*` knob of its name
+    (documented in mrl/config/schema.py)."""
+
+    max_request_retries: int = 3
+    request_retry_wait_s: float = 300.0
+    health_check_interval_s: float = 5.0
+    health_check_timeout_s: float = 60.0
+    max_replica_restarts: int = 3
+    control_timeout_s: float = 600.0
+    generate_timeout_s: float = 3600.0
+
+    @classmethod
+    def from_config(cls, rollout: Any) -> FaultPolicy:
+        return cls(**{f.name: getattr(rollout, f.name) for f in fields(cls)})
+
+
+class ReplicaFailureError(RuntimeError):
+    pass
+
+
+def wait_within(refs: dict[Any, Any], timeout_s: float, call: str, knob: str) -> None:
+    """Wait for every ref of `refs` ({who: ObjectRef}); past `timeout_s` raise naming the call, who did not
+    answer and the config knob that sets the limit."""
+    import ray
+
+    _, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    if pending:
+        late = [who for who, ref in refs.items() if ref in pending]
+        raise TimeoutError(
+            f"{call}: {late} did not answer within {timeout_s:g} s ({knob}); {len(refs) - len(late)} of "
+            f"{len(refs)} did"
+        )
+
+
+def replica_failed(error: BaseException) -> bool:
+    """Whether an error means the replica is gone (retry elsewhere) rather than that the request was bad.
+
+    Ray raises task errors as instances of their cause too, so a backend's dead-engine error (SGLang and
+    TensorRT-LLM map theirs to ConnectionError; vLLM raises EngineDeadError) is seen through Ray."""
+    if isinstance(error, RayActorError | ConnectionError):
+        return True
+    cause = error.cause if isinstance(error, RayTaskError) else error
+    return isinstance(cause, ConnectionError) or type(cause).__name__ == "EngineDeadError"
 
 
 @dataclass
@@ -24,9 +76,11 @@ class _AcquireBatch:
 
 
 class LLMServerClient:
-    def __init__(self, balancer: Any) -> None:
+    def __init__(self, balancer: Any, policy: FaultPolicy | None = None) -> None:
         """`balancer`: handle of the LoadBalancer actor shared by all clients."""
         self.balancer = balancer
+        self.policy = policy or FaultPolicy()
+        self.replica_failures = 0  # calls that failed with their replica and were retried (or gave up)
         self._servers: dict[str, Any] = {}
         # Per event loop (a client may be driven by successive loops, e.g. one asyncio.run per step, or by several
         # threads): the acquires waiting for the next balancer round trip and the task doing the round trips.
@@ -91,25 +145,48 @@ class LLMServerClient:
 
     async def _server(self, server_id: str) -> Any:
         if server_id not in self._servers:
-            self._servers[server_id] = await self.balancer.handle.remote(server_id)
+            handle = await self.balancer.handle.remote(server_id)
+            if handle is None:  # removed between acquire and now: route again
+                return None
+            self._servers[server_id] = handle
         return self._servers[server_id]
 
     async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any]) -> TokenOutput:
-        """One call on the session's server. A server that died mid-call is unregistered and the call retried
-        once elsewhere (its sessions re-route)."""
-        for attempt in range(2):
-            server_id = await self._acquire(request_id)
+        """One call on the session's server. A server that fails mid-call is unregistered (its sessions re-route)
+        and the call retried elsewhere; with no server registered (all restarting) the call waits for one."""
+        failures = 0
+        waiting_since: float | None = None
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                server_id = await self._acquire(request_id)
+            except NoServerError:
+                waiting_since = loop.time() if waiting_since is None else waiting_since
+                if loop.time() - waiting_since > self.policy.request_retry_wait_s:
+                    raise NoServerError(
+                        f"request {request_id!r}: no rollout replica served within "
+                        f"rollout.request_retry_wait_s={self.policy.request_retry_wait_s:g} s"
+                    ) from None
+                await asyncio.sleep(0.25)
+                continue
             try:
                 server = await self._server(server_id)
-                return await server.generate.remote(request_id, prompt_ids, sampling_params)
-            except RayActorError:
+                if server is not None:
+                    return await server.generate.remote(request_id, prompt_ids, sampling_params)
+            except Exception as error:
+                if not replica_failed(error):
+                    raise
+                failures += 1
+                self.replica_failures += 1
                 self._servers.pop(server_id, None)
                 await self.balancer.remove_server.remote(server_id)
-                if attempt == 1:
-                    raise
+                if failures > self.policy.max_request_retries:
+                    raise ReplicaFailureError(
+                        f"request {request_id!r}: the replica serving it failed {failures} times "
+                        f"(rollout.max_request_retries={self.policy.max_request_retries}); last: {error}"
+                    ) from error
             finally:
                 self._release(server_id)
-        raise AssertionError("unreachable")
 
     async def generate_n(
         self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any], n: int

@@ -9,12 +9,20 @@ Rules, in order:
    cache), as long as that server is still registered.
 2. Otherwise the server with the fewest in-flight requests wins; ties go to the server registered first.
 3. Removing a server drops its sticky sessions, so their next turn is routed by rule 2.
+
+It also records the newest weights pushed to the pool (version and what re-syncs a restarted replica). Being the
+one actor every copy of the manager talks to, it makes "push to the registered servers" and "register a re-synced
+server" atomic with respect to each other (`record_weights`, `add_server_at`): a replica never serves old weights.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from typing import Any
+
+
+class NoServerError(RuntimeError):
+    """No server is registered (e.g. every replica failed and is restarting); clients wait and retry."""
 
 
 class LoadBalancer:
@@ -24,6 +32,8 @@ class LoadBalancer:
         # Most recently used last; the oldest sessions are forgotten beyond max_sessions to bound memory.
         self._sticky: OrderedDict[str, str] = OrderedDict()
         self._max_sessions = max_sessions
+        self._weights_version: int | None = None
+        self._weights: Any = None
         for server_id, handle in (servers or {}).items():
             self.add_server(server_id, handle)
 
@@ -32,6 +42,24 @@ class LoadBalancer:
             raise ValueError(f"server {server_id!r} is already registered")
         self._servers[server_id] = handle
         self._in_flight[server_id] = 0
+
+    def add_server_at(self, server_id: str, handle: Any, version: int) -> bool:
+        """Register a (re)started server that holds weights `version`, unless newer weights were recorded since
+        (False: re-sync it and try again). A server registered here receives every later `record_weights` push."""
+        if self._weights_version is not None and version != self._weights_version:
+            return False
+        if server_id not in self._servers:
+            self.add_server(server_id, handle)
+        return True
+
+    def record_weights(self, version: int, weights: Any) -> dict[str, Any]:
+        """Remember the newest weights (`weights`: what `RolloutReplica.update_weights` takes, e.g. the packed
+        buckets' object refs) and return the servers the caller must push them to: the registered ones."""
+        self._weights_version, self._weights = int(version), weights
+        return dict(self._servers)
+
+    def latest_weights(self) -> tuple[int | None, Any]:
+        return self._weights_version, self._weights
 
     def remove_server(self, server_id: str) -> list[str]:
         """Unregister a server; returns the sessions that were stuck to it (they will be re-routed)."""
@@ -53,7 +81,7 @@ class LoadBalancer:
         """`acquire` without the handle: remote clients cache handles (`handle`), since deserialising a Ray actor
         handle on every call costs more than the routing itself."""
         if not self._servers:
-            raise RuntimeError("no rollout server is registered with the load balancer")
+            raise NoServerError("no rollout server is registered with the load balancer")
         server_id = self._sticky.get(request_id)
         if server_id is None:
             server_id = min(self._in_flight, key=self._in_flight.__getitem__)
@@ -74,7 +102,8 @@ class LoadBalancer:
 
     def release(self, server_id: str) -> None:
         if server_id in self._in_flight:  # the server may have been removed while the request ran
-            self._in_flight[server_id] -= 1
+            # Floor at 0: a call that started before its server was removed and re-registered ends after it.
+            self._in_flight[server_id] = max(self._in_flight[server_id] - 1, 0)
 
     def release_ids(self, server_ids: list[str]) -> None:
         """`release` for several finished calls in one RPC (clients coalesce the releases of one loop tick)."""
@@ -93,3 +122,6 @@ class LoadBalancer:
 
     def servers(self) -> list[str]:
         return list(self._servers)
+
+    def handles(self) -> dict[str, Any]:
+        return dict(self._servers)

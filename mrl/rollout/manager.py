@@ -4,21 +4,40 @@ and fans control calls (sleep, wake, abort, resume, weight updates) out to every
 Replica count = device slots / footprint (TP×DP×PP); a remainder is a configuration error, not idle devices.
 Replicas can be added and removed at run time (e.g. trainer devices lent to rollout between steps); removing one
 unregisters it from the balancer first, so its sessions re-route on their next turn.
+
+Failures: a health monitor (a driver thread, every `health_check_interval_s`) probes every replica. One that is
+dead, reports its engine dead or does not answer within `health_check_timeout_s` is unregistered, killed and
+replaced on the same slots (at most `max_replica_restarts` times per rank); the replacement is re-synced to the
+newest recorded weights and put in the pool's sleep/pause state before it is registered again. Clients retry the
+calls the failed replica dropped (client.py). Control fan-outs reach the registered replicas only and skip one that
+dies on the way (the monitor replaces it); a replica that does not answer within `control_timeout_s` is an error
+naming the call, the replica and the knob.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Iterable
 from typing import Any
 
 import ray
 import torch
 
-from mrl.rollout.client import FullyAsyncLLMServerClient, LLMServerClient
+from mrl.rollout.client import (
+    FaultPolicy,
+    FullyAsyncLLMServerClient,
+    LLMServerClient,
+    replica_failed,
+    wait_within,
+)
 from mrl.rollout.load_balancer import LoadBalancer
 from mrl.rollout.replica import ReplicaSpec, RolloutMode, RolloutReplica
 from mrl.rollout.server import restore_niceness
+from rollout_adapters.base import WAKE_ORDER
 from rollout_adapters.buckets import DEFAULT_BUCKET_BYTES, pack_buckets
+
+log = logging.getLogger(__name__)
 
 
 def replica_count(num_devices: int, footprint_devices: int) -> int:
@@ -39,13 +58,36 @@ class _BalancerActor(LoadBalancer):
 
 
 class LLMServerManager:
-    def __init__(self, spec: ReplicaSpec, mode: RolloutMode | str, start_timeout_s: float = 900.0) -> None:
+    def __init__(
+        self, spec: ReplicaSpec, mode: RolloutMode | str, start_timeout_s: float = 900.0,
+        policy: FaultPolicy | None = None,
+    ) -> None:
         self.spec = spec
         self.start_timeout_s = start_timeout_s
         self.mode = RolloutMode(mode)
+        self.policy = policy or FaultPolicy()
         self.replicas: dict[int, RolloutReplica] = {}
         self.balancer = ray.remote(_BalancerActor).options(num_cpus=0).remote()
         self._next_rank = 0
+        self._pools: dict[int, Any] = {}  # where each rank was placed (hybrid/colocated), for its replacement
+        self.restarts: dict[int, int] = {}
+        self.failures: list[str] = []  # one line per replica failure seen by the monitor, for logs and tests
+        # The pool state a replacement must copy before it serves: sleep level and tags still asleep, paused.
+        self._asleep: tuple[int, frozenset[str]] = (0, frozenset())
+        self._paused = False
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._monitor: threading.Thread | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Workers receive a copy (set_rollout) to push weights; the monitor and its lock stay on the driver.
+        state = dict(self.__dict__)
+        state.update(_lock=None, _stop=None, _monitor=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock, self._stop = threading.RLock(), threading.Event()
 
     @classmethod
     def create(
@@ -56,13 +98,14 @@ class LLMServerManager:
         num_devices: int | None = None,
         pool: Any = None,
         start_timeout_s: float = 900.0,
+        policy: FaultPolicy | None = None,
     ) -> LLMServerManager:
-        """Start every replica in parallel and register them with the balancer.
+        """Start every replica in parallel, register them with the balancer and start the health monitor.
 
         hybrid / colocated: `pool` is the RayResourcePool to place on (the trainer's for hybrid) and the replica
         count follows from its size. standalone: `num_devices` slots, each replica in its own new pool.
         """
-        manager = cls(spec, mode, start_timeout_s)
+        manager = cls(spec, mode, start_timeout_s, policy)
         if manager.mode is RolloutMode.STANDALONE:
             if num_devices is None:
                 raise ValueError("a standalone rollout pool needs num_devices (rollout.nnodes × n_gpus_per_node)")
@@ -72,86 +115,244 @@ class LLMServerManager:
             num_devices = pool.world_size if num_devices is None else num_devices
         count = replica_count(num_devices, spec.footprint.devices)
         manager.add_replicas(count, pool=pool)
+        manager.start_monitor()
         return manager
 
-    def add_replicas(self, count: int, pool: Any = None) -> list[int]:
-        """Start `count` more replicas (in parallel) and put them behind the balancer; returns their ranks."""
-        new = [RolloutReplica(self._next_rank + i, self.spec, self.mode) for i in range(count)]
-        self._next_rank += count
-        starts = []
-        for replica in new:
-            if self.mode is RolloutMode.STANDALONE:
-                starts.append(replica.init_standalone())
-            elif self.mode is RolloutMode.HYBRID:
-                starts.append(replica.init_hybrid(pool))
-            else:
-                starts.append(replica.init_colocated(pool))
+    def _launch(self, replica: RolloutReplica, pool: Any) -> ray.ObjectRef:
+        if self.mode is RolloutMode.STANDALONE:
+            return replica.init_standalone()
+        if self.mode is RolloutMode.HYBRID:
+            return replica.init_hybrid(pool)
+        return replica.init_colocated(pool)
+
+    def _start(self, new: list[RolloutReplica], pool: Any) -> None:
+        """Start replicas in parallel; on failure or timeout stop them all and raise."""
+        starts = [self._launch(replica, pool) for replica in new]
         try:
             ray.get(starts, timeout=self.start_timeout_s)
         except ray.exceptions.GetTimeoutError as error:
             for replica in new:
                 replica.shutdown(timeout_s=5)
             raise TimeoutError(
-                f"{count} rollout replica(s) did not start within {self.start_timeout_s:g} s: either the engine is "
-                f"slow to load or its slot's resources ({self.mode.value} mode) are taken; cluster free: "
+                f"{len(new)} rollout replica(s) did not start within {self.start_timeout_s:g} s: either the engine "
+                f"is slow to load or its slot's resources ({self.mode.value} mode) are taken; cluster free: "
                 f"{ray.available_resources()}"
             ) from error
         except Exception:
             for replica in new:
                 replica.shutdown()
             raise
-        for replica in new:
-            ray.get(self.balancer.add_server.remote(replica.server_id, replica.server))
-            self.replicas[replica.replica_rank] = replica
+
+    def add_replicas(self, count: int, pool: Any = None) -> list[int]:
+        """Start `count` more replicas (in parallel) and put them behind the balancer; returns their ranks."""
+        new = [RolloutReplica(self._next_rank + i, self.spec, self.mode) for i in range(count)]
+        self._next_rank += count
+        self._start(new, pool)
+        with self._lock:
+            for replica in new:
+                ray.get(self.balancer.add_server.remote(replica.server_id, replica.server))
+                self.replicas[replica.replica_rank] = replica
+                self._pools[replica.replica_rank] = pool
+                self.restarts[replica.replica_rank] = 0
         return [r.replica_rank for r in new]
 
     def remove_replica(self, rank: int) -> list[str]:
         """Unregister (so no new call reaches it), then stop it; returns the sessions that will re-route."""
-        replica = self.replicas.pop(rank)
+        with self._lock:
+            replica = self.replicas.pop(rank)
+            self._pools.pop(rank, None)
         orphans = ray.get(self.balancer.remove_server.remote(replica.server_id))
         replica.shutdown()
         return orphans
 
+    # ---- health: detect, replace, re-sync ----------------------------------------------------------------
+    def start_monitor(self) -> None:
+        """Probe the replicas every `health_check_interval_s` in a driver thread (0 or less: no monitor)."""
+        if self.policy.health_check_interval_s <= 0 or self._monitor is not None:
+            return
+        self._stop.clear()
+        self._monitor = threading.Thread(target=self._watch, name="mrl-rollout-health", daemon=True)
+        self._monitor.start()
+
+    def stop_monitor(self) -> None:
+        if self._monitor is not None:
+            self._stop.set()
+            self._monitor.join()
+            self._monitor = None
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.policy.health_check_interval_s):
+            try:
+                self.check_replicas()
+            except Exception:  # the next round tries again; a broken pool shows in the failed calls themselves
+                log.exception("rollout health check failed")
+
+    def check_replicas(self) -> list[int]:
+        """One health round: replace the replicas that are dead, report a dead engine or hang; let healthy but
+        unregistered ones (a client saw a transient failure, a replacement that lost a race with a weight sync)
+        re-join once they hold the newest weights. Returns the ranks replaced."""
+        with self._lock:
+            replicas = dict(self.replicas)
+        probes = {rank: replica.health() for rank, replica in replicas.items()}
+        timeout = self.policy.health_check_timeout_s
+        ready, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=timeout)
+        serving = set(self._call(self.balancer.servers.remote()))
+        replaced = []
+        for rank, probe in probes.items():
+            if self._stop.is_set():
+                break
+            problem = None
+            if probe not in ready:
+                problem = f"health check not answered within rollout.health_check_timeout_s={timeout:g} s"
+            else:
+                try:
+                    health = ray.get(probe)
+                except Exception as error:
+                    problem = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            if problem is not None:
+                self._replace(rank, replicas[rank], problem)
+                replaced.append(rank)
+            elif replicas[rank].server_id not in serving:
+                self._join(replicas[rank], health)
+        return replaced
+
+    def _replace(self, rank: int, old: RolloutReplica, problem: str) -> None:
+        self.failures.append(f"replica {rank} ({old.server_id}): {problem}")
+        log.warning("rollout replica %d (%s) failed: %s", rank, old.server_id, problem)
+        self._call(self.balancer.remove_server.remote(old.server_id))
+        old.shutdown(timeout_s=5)
+        with self._lock:
+            if self.replicas.get(rank) is not old:  # removed meanwhile
+                return
+            if self.restarts[rank] >= self.policy.max_replica_restarts:
+                del self.replicas[rank]
+                log.error("rollout replica %d dropped: rollout.max_replica_restarts=%d reached", rank,
+                          self.policy.max_replica_restarts)
+                return
+            self.restarts[rank] += 1
+        new = RolloutReplica(rank, self.spec, self.mode)
+        self._start([new], self._pools.get(rank))
+        with self._lock:
+            self.replicas[rank] = new
+        self._join(new, self._call(new.health()))
+
+    def _join(self, replica: RolloutReplica, health: dict[str, Any]) -> None:
+        """Re-sync `replica` to the newest recorded weights, give it the pool's state and register it. A weight
+        sync that records newer weights meanwhile makes the registration fail; then sync again."""
+        if health.get("asleep"):
+            self._call(replica.wake_up(None))
+        version = health["version"]
+        for _ in range(3):
+            latest, weights = self._call(self.balancer.latest_weights.remote())
+            if latest is not None and version != latest:
+                if weights is None:  # a transport that keeps no copy: nothing to re-sync from yet
+                    return
+                self._call(replica.update_weights(weights, latest))
+                version = latest
+            with self._lock:
+                if self.replicas.get(replica.replica_rank) is not replica:  # removed or replaced meanwhile
+                    return
+                self._copy_state(replica)
+                if self._call(self.balancer.add_server_at.remote(replica.server_id, replica.server, version)):
+                    log.warning("rollout replica %d (%s) serves again at weights version %s",
+                                replica.replica_rank, replica.server_id, version)
+                    return
+        log.warning("rollout replica %d not re-joined: weights kept changing; next health round", replica.replica_rank)
+
+    def _copy_state(self, replica: RolloutReplica) -> None:
+        level, asleep = self._asleep
+        if level:
+            self._call(replica.sleep(level))
+            awake = [tag for tag in WAKE_ORDER if tag not in asleep]
+            if awake:
+                self._call(replica.wake_up(awake))
+        elif asleep:
+            self._call(replica.release_kv_cache())
+        self._call(replica.abort_all() if self._paused else replica.resume_generation())
+
+    def _call(self, ref: ray.ObjectRef) -> Any:
+        return ray.get(ref, timeout=self.policy.control_timeout_s)
+
     def client(self, fully_async: bool = False) -> LLMServerClient:
-        return (FullyAsyncLLMServerClient if fully_async else LLMServerClient)(self.balancer)
+        return (FullyAsyncLLMServerClient if fully_async else LLMServerClient)(self.balancer, self.policy)
 
     # ---- fan-out control ------------------------------------------------------------------------------
+    def _fan_out(self, method: str, handles: dict[str, Any], *args: Any) -> dict[str, Any]:
+        """Call `method` on every server of `handles`; skip (and unregister) servers that died meanwhile, raise
+        if one hangs past control_timeout_s or none answered."""
+        refs = {sid: getattr(h, method).remote(*args) for sid, h in handles.items()}
+        if not refs:  # every replica is restarting; each re-syncs and copies the pool state before it serves
+            return {}
+        timeout = self.policy.control_timeout_s
+        wait_within(refs, timeout, f"rollout {method} on replicas", "rollout.control_timeout_s")
+        results, dead = {}, []
+        for sid, ref in refs.items():
+            try:
+                results[sid] = ray.get(ref)
+            except Exception as error:
+                if not replica_failed(error):
+                    raise
+                dead.append(sid)
+                ray.get(self.balancer.remove_server.remote(sid), timeout=timeout)
+        if dead and not results:
+            raise RuntimeError(f"rollout {method}: every replica failed ({dead}); the health monitor restarts them")
+        return results
+
     def _all(self, method: str, *args: Any) -> list[Any]:
-        return ray.get([getattr(r, method)(*args) for r in self.replicas.values()])
+        with self._lock:  # a replica re-joining copies the pool state under the same lock
+            handles = ray.get(self.balancer.handles.remote(), timeout=self.policy.control_timeout_s)
+            return list(self._fan_out(method, handles, *args).values())
 
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES
     ) -> list[int]:
         """Pack the HF-named stream into buckets once, put them in the object store, and let every replica pull
-        them (the generic `disk`-like path; same-device `ipc` and cross-pool `nccl` transports live in weight_sync)."""
+        them (the generic `disk`-like path; same-device `ipc` and cross-pool `nccl` transports live in weight_sync).
+        The balancer keeps the refs (one copy of the weights in the object store) to re-sync restarted replicas."""
         refs = [ray.put(blob) for blob in pack_buckets(named_tensors, bucket_bytes)]
-        return self._all("update_weights", refs, version)
+        handles = ray.get(self.balancer.record_weights.remote(version, refs))
+        return list(self._fan_out("update_weights", handles, refs, version).values())
 
     def abort_all(self) -> list[int]:
-        return self._all("abort_all")
+        with self._lock:
+            self._paused = True
+            return self._all("abort_all")
 
     def resume_generation(self) -> None:
-        self._all("resume_generation")
+        with self._lock:
+            self._paused = False
+            self._all("resume_generation")
 
     def sleep(self, level: int = 2) -> None:
-        self._all("sleep", level)
+        with self._lock:
+            self._asleep = (level, frozenset(WAKE_ORDER))
+            self._all("sleep", level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        self._all("wake_up", tags)
+        with self._lock:
+            level, asleep = self._asleep
+            remaining = asleep - set(WAKE_ORDER if tags is None else tags)
+            self._asleep = (level if remaining else 0, frozenset(remaining))
+            self._all("wake_up", tags)
 
     def release_kv_cache(self) -> None:
-        self._all("release_kv_cache")
+        with self._lock:
+            level, asleep = self._asleep
+            self._asleep = (level, asleep | {"kv_cache"})
+            self._all("release_kv_cache")
 
     def resume_kv_cache(self) -> None:
-        self._all("resume_kv_cache")
+        self.wake_up(["kv_cache"])
 
     def clear_kv_cache(self) -> None:
         self._all("clear_kv_cache")
 
     def health(self) -> dict[str, dict[str, Any]]:
-        return dict(zip((r.server_id for r in self.replicas.values()), self._all("health")))
+        handles = ray.get(self.balancer.handles.remote(), timeout=self.policy.control_timeout_s)
+        return self._fan_out("health", handles)
 
     def shutdown(self) -> None:
+        self.stop_monitor()
         for rank in list(self.replicas):
             self.remove_replica(rank)
         ray.kill(self.balancer)

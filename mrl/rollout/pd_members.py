@@ -25,8 +25,9 @@ from mrl.rollout.pd import (
     vllm_member_env,
 )
 from mrl.rollout.replica import ReplicaSpec
-from mrl.rollout.server import SERVER_ENV, RolloutServer, restore_niceness
+from mrl.rollout.server import RolloutServer, restore_niceness
 from rollout_adapters.base import StopReason
+from rollout_adapters.network import require_loopback
 from rollout_adapters.sglang import protocol as sglang_protocol
 from rollout_adapters.sglang.adapter import SGLangAdapter
 from rollout_adapters.vllm.adapter import VLLMAdapter, sample_result, to_vllm_sampling
@@ -108,6 +109,12 @@ class PDReplica:
 
     def __init__(self, replica_rank: int, spec: ReplicaSpec, pd: PDSpec, base_port: int = 5600) -> None:
         pd.check(spec.backend)
+        require_loopback(spec.host, "rollout.server_host", spec.allow_remote_access)
+        if spec.backend == "vllm" and pd.transfer_backend == "mooncake" and not spec.allow_remote_access:
+            # vLLM 0.32 hard-codes 0.0.0.0 for the Mooncake connector's bootstrap server (mooncake_connector.py).
+            raise ValueError("rollout.pd.transfer_backend='mooncake' with vLLM listens on every interface (its "
+                             "bootstrap server binds 0.0.0.0): use 'nixl', or set rollout.allow_remote_access=true "
+                             "on a trusted network")
         self.replica_rank = replica_rank
         self.spec = spec
         self.pd = pd
@@ -153,7 +160,7 @@ class PDReplica:
                 num_cpus=resources["num_cpus"], num_gpus=resources["num_gpus"], max_concurrency=4096,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=bundle, placement_group_capture_child_tasks=True),
-                runtime_env={"env_vars": {**SERVER_ENV, **mspec.env}},
+                runtime_env={"env_vars": mspec.server_env()},
             ).remote(mspec.backend, mspec.model_path, mspec.adapter_kwargs())
             self.members[role] = actor
             starts.append(actor.start.remote())

@@ -25,6 +25,7 @@ import ray
 
 from mrl.rollout.server import SERVER_ENV, RolloutServer
 from rollout_adapters.base import adapter_class
+from rollout_adapters.network import LOOPBACK, require_loopback
 
 
 class RolloutMode(enum.StrEnum):
@@ -77,6 +78,13 @@ class ReplicaSpec:
     # Extra environment of the server process. Ray sets OMP_NUM_THREADS to the actor's CPU share (1 here), which
     # caps a CPU engine's compute threads; set it to the device slot's cores where the engine should use them.
     env: dict[str, str] = field(default_factory=dict)
+    # Address the engine's own endpoints listen on (rollout.server_host); loopback unless allow_remote_access.
+    host: str = LOOPBACK
+    allow_remote_access: bool = False
+
+    def server_env(self) -> dict[str, str]:
+        """Environment of the server process: the defaults, the engine's listening address, then `env`."""
+        return {**SERVER_ENV, "VLLM_HOST_IP": self.host, "VLLM_NIXL_SIDE_CHANNEL_HOST": self.host, **self.env}
 
     def adapter_kwargs(self) -> dict[str, Any]:
         engine_kwargs = dict(self.engine_kwargs)
@@ -92,12 +100,15 @@ class ReplicaSpec:
             "tensor_parallel_size": self.footprint.tp,
             "pipeline_parallel_size": self.footprint.pp,
             "engine_kwargs": engine_kwargs,
+            "host": self.host,
+            "allow_remote_access": self.allow_remote_access,
         }
 
 
 class RolloutReplica:
     def __init__(self, replica_rank: int, spec: ReplicaSpec, mode: RolloutMode | str) -> None:
         spec.footprint.check(spec.backend)
+        require_loopback(spec.host, "rollout.server_host", spec.allow_remote_access)
         self.replica_rank = replica_rank
         self.spec = spec
         self.mode = RolloutMode(mode)
@@ -161,7 +172,7 @@ class RolloutReplica:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=bundle, placement_group_capture_child_tasks=True
                 ),
-                runtime_env={"env_vars": {**SERVER_ENV, **self.spec.env}},
+                runtime_env={"env_vars": self.spec.server_env()},
             )
             .remote(self.spec.backend, self.spec.model_path, self.spec.adapter_kwargs())
         )

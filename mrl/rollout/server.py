@@ -17,10 +17,12 @@ import ray
 from rollout_adapters.base import RolloutAdapter, TokenOutput, adapter_class
 
 # Set in the server process before the engine starts. KV cache in GiB on CPU: vLLM's default would take a
-# large share of a small shared machine. Loopback keeps vLLM's ZMQ sockets off the network.
+# large share of a small shared machine. Loopback keeps vLLM's sockets and NIXL's side channel off the network
+# (ReplicaSpec.server_env sets both from rollout.server_host).
 SERVER_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }

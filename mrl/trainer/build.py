@@ -13,6 +13,7 @@ from mrl.controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from mrl.data.datasets import RLDataset
 from mrl.reward.evaluator import RewardEvaluator
 from mrl.rollout.agent_loop import AgentLoopManager
+from mrl.rollout.client import FaultPolicy
 from mrl.rollout.manager import LLMServerManager
 from mrl.rollout.replica import Footprint, ReplicaSpec
 from mrl.trainer.metrics import RunLogger
@@ -43,6 +44,8 @@ def rollout_spec(c: MrlConfig) -> ReplicaSpec:
         dtype=c.actor.megatron.params_dtype,
         seed=c.trainer.seed,
         engine_kwargs=engine_kwargs,
+        host=r.server_host,
+        allow_remote_access=r.allow_remote_access,
     )
 
 
@@ -60,20 +63,23 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
         name_prefix=f"mrl_{c.trainer.experiment_name}",
     )
     actor_rollout = RayWorkerGroup(
-        pool, RayClassWithInitArgs(ActorRolloutRefWorker, c, with_ref=c.actor.use_kl_loss), name_prefix="actor_rollout"
+        pool, RayClassWithInitArgs(ActorRolloutRefWorker, c, with_ref=c.actor.use_kl_loss), name_prefix="actor_rollout",
+        call_timeout_s=c.trainer.dispatch_timeout_s,
     )
     engines_ready = [actor_rollout.init_model()]  # non-blocking: Megatron builds while the replicas start
     critic = None
     if c.critic.enable:
-        critic = RayWorkerGroup(pool, RayClassWithInitArgs(CriticWorker, c), name_prefix="critic")
+        critic = RayWorkerGroup(pool, RayClassWithInitArgs(CriticWorker, c), name_prefix="critic",
+                                call_timeout_s=c.trainer.dispatch_timeout_s)
         engines_ready.append(critic.init_model())
     spec = rollout_spec(c)
+    policy = FaultPolicy.from_config(c.rollout)
     slots = c.rollout.num_replicas * spec.footprint.devices or None
     if hybrid:
-        rollout = LLMServerManager.create(spec, "hybrid", pool=pool, num_devices=slots)
+        rollout = LLMServerManager.create(spec, "hybrid", pool=pool, num_devices=slots, policy=policy)
     else:
         own_slots = c.rollout.nnodes * c.rollout.n_gpus_per_node
-        rollout = LLMServerManager.create(spec, c.rollout.mode, num_devices=slots or own_slots)
+        rollout = LLMServerManager.create(spec, c.rollout.mode, num_devices=slots or own_slots, policy=policy)
     for ready in engines_ready:
         ready.get()
     actor_rollout.set_rollout(rollout)
@@ -83,7 +89,7 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
         rollout=rollout,
         agent_loops=AgentLoopManager(
             c.rollout.agent_loop_workers, tokenizer_path, rollout.balancer, c.rollout.agent_loop,
-            c.data.max_response_length, list(c.rollout.tools), c.rollout.max_turns,
+            c.data.max_response_length, list(c.rollout.tools), c.rollout.max_turns, policy,
         ),
         tokenizer=AutoTokenizer.from_pretrained(tokenizer_path),
         train_data=RLDataset.from_files(c.data.train_files, c.data.prompt_key),

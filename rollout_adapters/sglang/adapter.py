@@ -28,12 +28,13 @@ import torch
 
 from rollout_adapters.base import RolloutAdapter, StopReason
 from rollout_adapters.buckets import unpack_bucket
+from rollout_adapters.network import LOOPBACK, require_loopback, url_host
 from rollout_adapters.sglang import protocol
 
 
 def free_port() -> int:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((LOOPBACK, 0))
         return sock.getsockname()[1]
 
 
@@ -55,6 +56,8 @@ class SGLangAdapter(RolloutAdapter):
         base_url: str | None = None,
         weights_cpu_backup: bool = False,
         start_timeout_s: float = 900.0,
+        host: str = LOOPBACK,
+        allow_remote_access: bool = False,
         **unused: Any,
     ) -> None:
         if pipeline_parallel_size != 1:
@@ -66,6 +69,13 @@ class SGLangAdapter(RolloutAdapter):
         self.weights_cpu_backup = weights_cpu_backup
         extra = dict(engine_kwargs or {})
         self.extra_args: list[str] = list(extra.pop("extra_args", ()))
+        if any(arg == "--host" or arg.startswith("--host=") for arg in self.extra_args):
+            raise ValueError("engine_kwargs.extra_args sets --host: set the server's address with rollout.server_host "
+                             "(loopback unless rollout.allow_remote_access=true)")
+        require_loopback(host, "rollout.server_host", allow_remote_access)
+        if base_url is not None:
+            require_loopback(url_host(base_url), "the sglang server's base_url host", allow_remote_access)
+        self.host = host
         self.launch = dict(
             tp_size=tensor_parallel_size,
             dp_size=int(extra.pop("data_parallel_size", 1)),
@@ -92,10 +102,12 @@ class SGLangAdapter(RolloutAdapter):
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         if self.base_url is None:
             port = free_port()
-            argv = protocol.server_command(self.model_path, port=port, **self.launch, extra_args=self.extra_args)
+            argv = protocol.server_command(self.model_path, port=port, host=self.host, **self.launch,
+                                           extra_args=self.extra_args)
             env = {**os.environ, **protocol.SERVER_ENV}
             self.process = subprocess.Popen([sys.executable, *argv], env=env)
-            self.base_url = f"http://127.0.0.1:{port}"
+            # The server shares this process's host: talk to it over loopback whatever address it listens on.
+            self.base_url = f"http://{LOOPBACK}:{port}"
         await self._wait_healthy()
 
     async def _wait_healthy(self) -> None:

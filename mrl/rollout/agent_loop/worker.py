@@ -10,7 +10,7 @@ from typing import Any
 import ray
 
 from mrl.rollout.agent_loop.base import Tool, agent_loop_class
-from mrl.rollout.client import LLMServerClient
+from mrl.rollout.client import FaultPolicy, LLMServerClient, wait_within
 
 
 def load_tools(specs: list[str]) -> list[Tool]:
@@ -24,33 +24,41 @@ def load_tools(specs: list[str]) -> list[Tool]:
 
 class AgentLoopWorker:
     def __init__(self, tokenizer_path: str, balancer: Any, loop: str, max_response_length: int,
-                 tools: list[str] | None = None, max_turns: int = 4) -> None:
+                 tools: list[str] | None = None, max_turns: int = 4, policy: FaultPolicy | None = None) -> None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         cls = agent_loop_class(loop)
         kwargs = {"tools": load_tools(tools or []), "max_turns": max_turns} if loop == "tool" else {}
-        self.loop = cls(tokenizer, LLMServerClient(balancer), max_response_length, **kwargs)
+        self.loop = cls(tokenizer, LLMServerClient(balancer, policy), max_response_length, **kwargs)
 
     async def generate(self, samples: list[dict[str, Any]], n: int, sampling: dict[str, Any]) -> list[dict[str, Any]]:
         """`n` independent sessions per sample, all concurrent; trajectories in (sample, i) order. A seeded
         sampling dict gives session k of this call seed + k, so a run is reproducible and sessions differ."""
         seed = sampling.get("seed")
-        calls = []
+        calls, sessions = [], []
         for s, sample in enumerate(samples):
             for i in range(n):
                 k = s * n + i
                 params = {**sampling, "seed": None if seed is None else seed + k}
-                calls.append(self.loop.run(f"{sample['uid']}-{i}", sample, params))
-        return [asdict(t) for t in await asyncio.gather(*calls)]
+                sessions.append(f"{sample['uid']}-{i}")
+                calls.append(self.loop.run(sessions[-1], sample, params))
+        trajectories = await asyncio.gather(*calls)
+        return [{**asdict(t), "session_id": sid} for t, sid in zip(trajectories, sessions)]
+
+    def replica_failures(self) -> int:
+        """Calls of this worker's sessions that failed with their replica (each retried, or the session failed)."""
+        return self.loop.client.replica_failures
 
 
 class AgentLoopManager:
     def __init__(self, num_workers: int, tokenizer_path: str, balancer: Any, loop: str = "single_turn",
-                 max_response_length: int = 256, tools: list[str] | None = None, max_turns: int = 4) -> None:
+                 max_response_length: int = 256, tools: list[str] | None = None, max_turns: int = 4,
+                 policy: FaultPolicy | None = None) -> None:
+        self.policy = policy or FaultPolicy()
         remote = ray.remote(AgentLoopWorker).options(num_cpus=0, max_concurrency=1024)
         self.workers = [
-            remote.remote(tokenizer_path, balancer, loop, max_response_length, tools, max_turns)
+            remote.remote(tokenizer_path, balancer, loop, max_response_length, tools, max_turns, self.policy)
             for _ in range(num_workers)
         ]
 
@@ -59,12 +67,14 @@ class AgentLoopManager:
         k = len(self.workers)
         size = -(-len(samples) // k)
         chunks = [samples[i * size : (i + 1) * size] for i in range(k)]
-        refs = [
-            w.generate.remote(chunk, n, {**sampling, "seed": _offset(sampling.get("seed"), i * size * n)})
+        refs = {
+            i: w.generate.remote(chunk, n, {**sampling, "seed": _offset(sampling.get("seed"), i * size * n)})
             for i, (w, chunk) in enumerate(zip(self.workers, chunks))
             if chunk
-        ]
-        return [t for part in ray.get(refs) for t in part]
+        }
+        wait_within(refs, self.policy.generate_timeout_s, "rollout generate on agent-loop workers",
+                    "rollout.generate_timeout_s")
+        return [t for ref in refs.values() for t in ray.get(ref)]
 
     def shutdown(self) -> None:
         for w in self.workers:

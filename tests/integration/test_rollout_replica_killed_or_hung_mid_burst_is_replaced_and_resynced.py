@@ -1,0 +1,124 @@
+"""Two hf replicas serve a burst of agent-loop sessions; one is killed (SIGKILL of its server process) or hung
+(SIGSTOP) in the middle. The calls it dropped are retried on the survivor or the replacement, every session
+completes exactly once (full length, each session id once, exact group counts in the replay buffer), the
+manager's health monitor replaces the failed replica on its slots, and the replacement serves only after it was
+re-synced to the newest weights, including weights pushed while it was down from a worker's copy of the manager."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import Counter
+
+import pytest
+import ray
+from rollout_fixtures import *  # noqa: F403  (the shared fixtures: models, model folder)
+from rollout_fixtures import next_version, replica_spec
+
+from mrl.data.replay_buffer import ReplayBuffer
+from mrl.rollout.agent_loop import AgentLoopManager
+from mrl.rollout.client import FaultPolicy
+from mrl.rollout.manager import LLMServerManager
+
+pytestmark = pytest.mark.integration
+
+PROMPTS, N, TOKENS = 6, 2, 24
+POLICY = FaultPolicy(health_check_interval_s=0.5, health_check_timeout_s=4.0, max_request_retries=3,
+                     control_timeout_s=60.0)
+
+
+@pytest.fixture(scope="module")
+def pool(ray_cluster, tiny_model_dir):
+    manager = LLMServerManager.create(replica_spec("hf", tiny_model_dir), "standalone", num_devices=2, policy=POLICY)
+    loops = AgentLoopManager(1, tiny_model_dir, manager.balancer, max_response_length=TOKENS, policy=POLICY)
+    yield manager, loops
+    loops.shutdown()
+    manager.shutdown()
+
+
+@ray.remote(num_cpus=0)
+def push_from_a_copy(manager: LLMServerManager, state: dict, version: int) -> list[int]:
+    """A trainer worker pushes through its own pickled copy of the manager (set_rollout), whose replica table is
+    stale once the driver's monitor replaced a replica."""
+    return manager.update_weights(state.items(), version)
+
+
+def pids(manager: LLMServerManager) -> dict[int, int]:
+    return {rank: ray.get(r.health())["pid"] for rank, r in manager.replicas.items()}
+
+
+def wait_until(condition, timeout_s: float = 120.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def burst_with_fault(manager, loops, victim: int, sig: int) -> tuple[list[dict], int]:
+    """Start the burst, wait until the victim runs requests, send it `sig`; returns (trajectories, its in-flight)."""
+    samples = [{"uid": f"p{k}", "messages": [{"role": "user", "content": f"count to {k}"}]} for k in range(PROMPTS)]
+    worker = loops.workers[0]
+    failures_before = ray.get(worker.replica_failures.remote())
+    ref = worker.generate.remote(samples, N, {"temperature": 1.0, "ignore_eos": True, "seed": 7})
+    replica = manager.replicas[victim]
+    wait_until(lambda: ray.get(replica.health())["in_flight"] > 0, 60, "the victim to run requests")
+    in_flight = ray.get(replica.health())["in_flight"]
+    os.kill(ray.get(replica.health())["pid"], sig)
+    trajectories = ray.get(ref, timeout=180)
+    assert ray.get(worker.replica_failures.remote()) - failures_before >= in_flight
+    return trajectories, in_flight
+
+
+def assert_exactly_once(trajectories: list[dict], version: int) -> None:
+    sessions = Counter(t["session_id"] for t in trajectories)
+    assert sessions == Counter(f"p{k}-{i}" for k in range(PROMPTS) for i in range(N)), "lost or duplicated"
+    assert all(len(t["response_ids"]) == TOKENS and t["stop_reason"] == "length" for t in trajectories)
+    assert {t["min_version"] for t in trajectories} == {t["max_version"] for t in trajectories} == {version}
+    buffer = ReplayBuffer()
+    for t in trajectories:
+        t["uid"] = t["session_id"].rsplit("-", 1)[0]
+    assert buffer.add(trajectories, N) == PROMPTS
+    assert len(buffer) == PROMPTS and buffer.added == PROMPTS
+    assert [len(g) for g in buffer.groups] == [N] * PROMPTS
+    assert len({g[0]["uid"] for g in buffer.groups}) == PROMPTS
+
+
+def test_killed_replica_is_replaced_and_resynced_to_weights_pushed_while_it_was_down(pool, hf_models):
+    manager, loops = pool
+    version = next_version()
+    manager.update_weights(hf_models[1].state_dict().items(), version)
+    before = pids(manager)
+    victim = max(manager.replicas)
+    old_server_id = manager.replicas[victim].server_id
+
+    trajectories, in_flight = burst_with_fault(manager, loops, victim, signal.SIGKILL)
+    assert in_flight > 0
+    assert_exactly_once(trajectories, version)
+
+    # New weights while the victim is down or restarting, through a copy of the manager as a trainer worker has.
+    newer = next_version()
+    loaded = ray.get(push_from_a_copy.remote(manager, hf_models[0].state_dict(), newer))
+    assert loaded and all(count > 0 for count in loaded)
+    wait_until(lambda: len(ray.get(manager.balancer.servers.remote())) == 2, what="the replacement to serve")
+    assert manager.restarts[victim] == 1 and old_server_id not in ray.get(manager.balancer.servers.remote())
+    assert any(f"replica {victim}" in line for line in manager.failures)
+    after = pids(manager)
+    assert after[victim] != before[victim] and after[min(after)] == before[min(before)]
+    assert sorted(h["version"] for h in manager.health().values()) == [newer, newer]
+
+
+def test_hung_replica_times_out_its_health_check_and_its_calls_are_retried(pool, hf_models):
+    manager, loops = pool
+    version = ray.get(manager.balancer.latest_weights.remote())[0]
+    victim = min(manager.replicas)
+    restarts = manager.restarts[victim]
+    frozen = ray.get(manager.replicas[victim].health())["pid"]
+    trajectories, in_flight = burst_with_fault(manager, loops, victim, signal.SIGSTOP)
+    assert in_flight > 0
+    assert_exactly_once(trajectories, version)
+    wait_until(lambda: manager.restarts[victim] == restarts + 1, what="the hung replica to be replaced")
+    assert any("health check not answered within rollout.health_check_timeout_s" in line for line in manager.failures)
+    wait_until(lambda: len(ray.get(manager.balancer.servers.remote())) == 2, what="the replacement to serve")
+    assert pids(manager)[victim] != frozen
+    assert [h["version"] for h in manager.health().values()] == [version, version]
