@@ -318,12 +318,13 @@ class MegatronEngine(BaseEngine):
     def _grads_finite(self) -> bool:
         """Whether every gradient of every rank is finite. After the DP reduction each rank holds its own TP/PP
         shard (and, with the distributed optimizer, its reduced DP slice beside its local gradients), so the
-        verdict is a MAX over all ranks: they must all skip or all update, never leave the weights half-updated."""
-        bad = torch.zeros(1, dtype=torch.float32, device=_device())
+        verdict is a MAX over all ranks: they must all skip or all update, never leave the weights half-updated.
+        A float64 sum per buffer propagates any NaN/Inf without a bool copy of the (possibly huge) buffer."""
+        total = torch.zeros((), dtype=torch.float64, device=_device())
         for chunk in self.model:
             for buffer in chunk.buffers + chunk.expert_parallel_buffers:
-                if not bool(torch.isfinite(buffer.grad_data).all()):
-                    bad.fill_(1.0)
+                total += buffer.grad_data.sum(dtype=torch.float64)
+        bad = (~torch.isfinite(total)).float().reshape(1)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return not bool(bad.item())
 
