@@ -8,7 +8,8 @@
   saved at TP=1, loaded at TP=2.
 - The same with Megatron's distributed optimizer (its state resharded from TP=2×DP=1 to TP=1×DP=2), including a
   checkpoint saved before the first optimizer step (Adam state not created yet): loaded at TP=1, the first step's
-  loss is the TP=2 run's; the TP=2 checkpoint also continues identically at PP=2.
+  loss is the TP=2 run's; the TP=2 checkpoint also continues identically at PP=2, and loaded again into an engine
+  that has trained since, it restores the LR schedule's step count (not advanced twice) and the same next loss.
 """
 
 from __future__ import annotations
@@ -122,6 +123,8 @@ def run(rank: int, world: int, path: str, ckpt_dir: str) -> dict:
         dist1 = engine(path, 1)
         dist1.load_checkpoint(f"{ckpt_dir}/dist_tp2_step1")
         out["dist_reshard"] = {"tp2": dist2_losses, "tp1": [step(dist1), step(dist1)]}
+        dist1.load_checkpoint(f"{ckpt_dir}/dist_tp2_step1")  # into an engine that trained: nothing carries over
+        out["dist_reshard"]["reloaded"] = [dist1.scheduler.num_steps, step(dist1)]
         fresh = engine(path, 1)
         fresh.load_checkpoint(f"{ckpt_dir}/dist_tp2_step0")
         out["dist_reshard"]["from_step0"] = [step(fresh)]
@@ -151,4 +154,5 @@ def test_offload_round_trip_and_checkpoint_resharding(tmp_path):
         assert len(set(dist["tp2"])) == 3
         assert all(abs(a - b) < 1e-5 for a, b in zip(dist["tp1"], dist["tp2"][1:])), dist
         assert all(abs(a - b) < 1e-5 for a, b in zip(dist["pp2"], dist["tp2"][1:])), dist
+        assert dist["reloaded"][0] == 1 and abs(dist["reloaded"][1] - dist["tp2"][1]) < 1e-5, dist
         assert abs(dist["from_step0"][0] - dist["tp2"][0]) < 1e-5, dist
