@@ -208,7 +208,8 @@ class LLMServerManager:
                 try:
                     health = ray.get(probe)
                 except Exception as error:
-                    problem = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                    cause = getattr(error, "cause", None) or error  # a task error's own header names no reason
+                    problem = f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause) else ''}"
             if problem is not None:
                 self._replace(rank, replicas[rank], problem)
                 replaced.append(rank)
