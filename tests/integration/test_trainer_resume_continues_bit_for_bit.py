@@ -1,11 +1,13 @@
 """Kill-and-resume: a run resumed from a checkpoint by a NEW trainer (fresh workers, fresh rollout replica, as
 after a crash) continues bit for bit as if never interrupted, and a NaN step keeps the last good weights.
+PPO with a critic (GAE), so both engines are checkpointed and resumed.
 
 Run A trains 3 steps, checkpointing every step. Run B starts in a folder holding A's checkpoints of steps 1 and 2
 plus a step-3 folder without its COMPLETE marker (a save killed half-way) and a staging folder; `resume_mode=auto`
 must pick step 2, load engines, optimizer, LR schedule, dataloader position, RNG and replay buffer, push the
 weights to its replica and run step 3. With the `hf` rollout (seeded sampling per session) step 3's metrics equal
-A's exactly, and the step-3 checkpoints (model, Adam moments, fp32 params) are identical tensor for tensor.
+A's exactly, and the step-3 checkpoints of actor and critic (model, Adam moments, fp32 params) are identical
+tensor for tensor.
 Then B's step 4 gets NaN advantages: every actor update is skipped, the actor's weights and optimizer stay those
 of step 3, and the rollout replica still answers greedy prompts with the same tokens and log-probs.
 """
@@ -42,8 +44,8 @@ class PoisonableTrainer(PPOTrainer):
 
     def compute_advantage(self, batch):
         batch = super().compute_advantage(batch)
-        if self.poison:  # NaN advantages: every update's loss and gradients are NaN
-            batch["advantage"][:] = math.nan
+        if self.poison:  # NaN advantages: every actor update's loss and gradients are NaN
+            batch.jagged_field("advantages").values.fill_(math.nan)
         return batch
 
 
@@ -56,17 +58,18 @@ def config(root, run_dir: str):
         f"model.path={root / 'model'}", f"data.train_files=[{write_rows(rows, root / 'train.jsonl')}]",
         f"data.train_batch_size={B}", f"actor.ppo_mini_batch_size={M}", f"rollout.n={N}",
         "data.max_response_length=6", "rollout.name=hf", "actor.optim.lr=1e-2", "actor.optim.lr_decay_style=linear",
+        "critic.enable=true", "algorithm.adv_estimator=gae", f"critic.ppo_mini_batch_size={M}",
         "trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.resume_mode=auto",
         "trainer.val_before_train=false", "trainer.test_freq=-1", f"trainer.default_local_dir={run_dir}",
         f"reward.reward_fn='{__name__}:length_reward'",
     ])
 
 
-def checkpoint_tensors(step_dir: str) -> dict[str, torch.Tensor]:
+def checkpoint_tensors(step_dir: str, role: str = "actor") -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     out = os.path.join(step_dir, "..", "flat.pt")
-    dcp_to_torch_save(os.path.join(step_dir, "actor"), out)
+    dcp_to_torch_save(os.path.join(step_dir, role), out)
     return {k: v for k, v in torch.load(out, weights_only=False).items() if isinstance(v, torch.Tensor)}
 
 
@@ -105,18 +108,21 @@ def test_resumed_run_matches_uninterrupted_and_nan_step_keeps_weights(ray_cluste
         assert [r["step"] for r in history_b] == [3]  # resumed after step 2, ran step 3 only
         assert reproducible(history_b[0]) == reproducible(history_a[2])
         assert history_b[0]["actor/updates"] == B // M and history_b[0]["actor/skipped_updates"] == 0
-        tensors_a = checkpoint_tensors(checkpointing.step_dir(run_a, 3))
-        tensors_b = checkpoint_tensors(checkpointing.step_dir(run_b, 3))
-        assert tensors_a.keys() == tensors_b.keys()
-        assert "embedding.word_embeddings.weight" in tensors_a and any(".exp_avg_sq." in k for k in tensors_a)
-        assert all(torch.equal(tensors_a[k], tensors_b[k]) for k in tensors_a)
+        assert history_b[0]["critic/updates"] == B // M
+        for role in ("actor", "critic"):
+            tensors_a = checkpoint_tensors(checkpointing.step_dir(run_a, 3), role)
+            tensors_b = checkpoint_tensors(checkpointing.step_dir(run_b, 3), role)
+            assert tensors_a.keys() == tensors_b.keys()
+            assert "embedding.word_embeddings.weight" in tensors_a and any(".exp_avg_sq." in k for k in tensors_a)
+            assert all(torch.equal(tensors_a[k], tensors_b[k]) for k in tensors_a), role
 
         replies = greedy(b)
         b.poison = True
         nan_step = b.step()
         assert nan_step["actor/skipped_updates"] == B // M
         assert greedy(b) == replies  # the replica serves the last good weights
+        actor_before = checkpoint_tensors(checkpointing.step_dir(run_b, 3))
         after = checkpoint_tensors(b.save_checkpoint())
-        assert all(torch.equal(after[k], tensors_b[k]) for k in after)  # weights and Adam state untouched
+        assert all(torch.equal(after[k], actor_before[k]) for k in after)  # weights and Adam state untouched
     finally:
         shutdown(b)
