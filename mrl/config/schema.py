@@ -91,6 +91,9 @@ class MegatronConfig:
     recompute_granularity: str | None = None
     # Parameter dtype of the engine: float32, bfloat16 or float16.
     params_dtype: str = "float32"
+    # GiB per rank the log-prob path may spend keeping a micro-batch's logits (parameter dtype) for the backward
+    # pass; a larger micro-batch recomputes the vocabulary projection there instead; 0 always recomputes.
+    logprob_keep_logits_gib: float = 4.0
     # Extra TransformerConfig fields passed through verbatim (for knobs without a named field here).
     override_transformer_config: dict[str, Any] = field(default_factory=dict)
 

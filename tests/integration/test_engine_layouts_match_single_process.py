@@ -4,8 +4,9 @@ One launch per world size walks several layouts inside the same processes (impor
 per process). For each layout: 3 optimizer steps with an RL-style loss whose aggregation changes every step
 (token-mean, seq-mean-token-mean, seq-mean-token-sum, so both step-global normalisers are exercised), the
 batch split over DP ranks and packed into micro-batches differently from the reference. Compared with the
-single-process run (fp32): per-step loss (1e-5), per-step global grad norm (rel 1e-5), the weights after
-training exported under HF names (1e-5) and the per-token log-probs of `infer` after training (1e-5).
+single-process run (fp32; gloo, or NCCL where CUDA is present): per-step loss (1e-5), per-step global grad norm
+(rel 1e-5), the weights after training exported under HF names (1e-5) and the per-token log-probs of `infer`
+after training (1e-5).
 
 Also here, because they share the launches: `infer` equals log_softmax of the HF model's logits at the next
 tokens; and packing several samples into one micro-batch gives the same gradients and log-probs as one sample
@@ -74,7 +75,7 @@ def run_layout(path: str, layout: dict, micro: dict, overrides: dict) -> dict:
         metrics.update(engine.optimizer_step())
         steps.append(metrics)
     logp = engine.infer(JaggedBatch.from_sequences(data))["log_probs"]
-    weights = {name: t.detach().clone().numpy() for name, t in engine.export_weights()}
+    weights = {name: t.detach().cpu().numpy() for name, t in engine.export_weights()}
     return {"steps": steps, "log_probs": logp.numpy(), "weights": weights if torch.distributed.get_rank() == 0 else {}}
 
 
@@ -96,7 +97,7 @@ def grads_of_packing(path: str, layout: dict) -> dict:
         engine.initialize()
         assert len(engine.micro_batches(batch)) == (5 if name == "alone" else 1)
         engine.forward_backward(batch, rl_loss("token-mean"))
-        grads = {n: p.main_grad.detach().clone().numpy() for c in engine.unwrapped() for n, p in c.named_parameters()}
+        grads = {n: p.main_grad.detach().cpu().numpy() for c in engine.unwrapped() for n, p in c.named_parameters()}
         out[name] = {"grads": grads, "log_probs": engine.infer(batch, entropy=True)["log_probs"].numpy()}
     return out
 
@@ -117,6 +118,12 @@ def run_many(rank: int, world: int, cases: list[tuple[str, str, dict, dict, dict
 
 
 DYNAMIC = {"micro_batch_size": None, "max_tokens_per_micro_batch": 40}
+
+
+def needs_devices(world: int) -> None:
+    """On CUDA every rank needs its own GPU (NCCL refuses two ranks on one device); CPU ranks are processes."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < world:
+        pytest.skip(f"world size {world} needs {world} GPUs, {torch.cuda.device_count()} present")
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +211,7 @@ def test_packing_tp1_matches_one_sample_per_micro_batch(reference):
 
 
 def test_world2_layouts_match_single_process(models, reference):
+    needs_devices(2)
     d, m = models["dense"], models["moe"]
     cases = [
         ("tp2", d, {"tensor_model_parallel_size": 2}, DYNAMIC, {}),
@@ -234,6 +242,7 @@ def check_all(results: list[dict], reference: dict, names: list[str]) -> None:
 
 
 def test_world4_layouts_match_single_process(models, reference):
+    needs_devices(4)
     d, m = models["dense"], models["moe"]
     cases = [
         ("tp2_pp2", d, {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, DYNAMIC, {}),

@@ -1,5 +1,6 @@
 """Vocab-parallel log-probs at TP=2 (each rank holds half the output rows, real gloo all-reduces) equal
-log_softmax of the full logits on one process, in values and in gradients (fp32, 1e-5)."""
+log_softmax of the full logits on one process, in values and in gradients (fp32, 1e-5); on NCCL where CUDA is
+present."""
 
 import pytest
 import torch
@@ -28,7 +29,9 @@ def run_shard(rank: int, world: int):
 
     init_distributed()
     try:
-        h, w, labels, g1, g2 = data()
+        # NCCL (CUDA present) takes device tensors only; gloo takes CPU ones.
+        device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+        h, w, labels, g1, g2 = (x.to(device) for x in data())
         rows = VOCAB // world
         h = h.clone().requires_grad_()
         w_local = w[rank * rows : (rank + 1) * rows].clone().requires_grad_()
@@ -39,7 +42,7 @@ def run_shard(rank: int, world: int):
         grad_h = h.grad.clone()
         dist.all_reduce(grad_h)  # what copy_to_tensor_model_parallel_region's backward does
         # numpy, not tensors: torch's queue pickling shares storage by fd, which dies with the child process
-        return tuple(t.detach().numpy() for t in (logp, ent, grad_h, w_local.grad))
+        return tuple(t.detach().cpu().numpy() for t in (logp, ent, grad_h, w_local.grad))
     finally:
         dist.destroy_process_group()
 

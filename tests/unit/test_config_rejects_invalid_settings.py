@@ -110,6 +110,7 @@ INVALID = [
     (["actor.loss_agg_mode=sum"], "actor.loss_agg_mode", "must be one of"),
     (["actor.kl_loss_type=js"], "actor.kl_loss_type", "must be one of"),
     (["actor.megatron.params_dtype=fp8"], "actor.megatron.params_dtype", "must be one of"),
+    (["actor.megatron.logprob_keep_logits_gib=-1"], "actor.megatron.logprob_keep_logits_gib", "must be >= 0"),
     (["actor.optim.lr_decay_style=step"], "actor.optim.lr_decay_style", "must be one of"),
     (["trainer.device=tpu"], "trainer.device", "must be one of"),
     # optimizer and loss ranges

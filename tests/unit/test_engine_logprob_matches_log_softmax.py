@@ -1,5 +1,7 @@
 """Chunked log-probs and entropy from hidden states equal log_softmax / entropy of the materialised logits, in
-values and in gradients w.r.t. hidden states and output weight (fp32, 1e-5), whatever the chunk size."""
+values and in gradients w.r.t. hidden states and output weight (fp32, 1e-5), whatever the chunk size, with the
+logits kept for the backward pass or recomputed there, and with the backward split into several vocabulary blocks
+(vocab 300 > one 128-column block)."""
 
 import pytest
 import torch
@@ -17,15 +19,18 @@ def reference(h, w, labels):
 
 @pytest.mark.parametrize("chunk", [1, 7, 1024])
 @pytest.mark.parametrize("use_entropy", [False, True])
-def test_values_and_gradients_match_full_logits(chunk, use_entropy):
+@pytest.mark.parametrize("keep_logits", [True, False])
+def test_values_and_gradients_match_full_logits(chunk, use_entropy, keep_logits):
     torch.manual_seed(chunk)
-    t, hidden, vocab = 19, 16, 53
+    t, hidden, vocab = 19, 16, 300
     h = torch.randn(t, hidden, dtype=torch.float64).float().requires_grad_()
     w = (0.5 * torch.randn(vocab, hidden)).requires_grad_()
     labels = torch.randint(0, vocab, (t,))
     g1, g2 = torch.randn(t), torch.randn(t)
 
-    logp, ent = vocab_parallel_logprobs(h, w, labels, chunk_tokens=chunk)
+    logp, ent = vocab_parallel_logprobs(
+        h, w, labels, chunk_tokens=chunk, keep_logits_bytes=1 << 30 if keep_logits else 0
+    )
     ((logp * g1).sum() + (ent * g2).sum() if use_entropy else (logp * g1).sum()).backward()
     got = (logp.detach(), ent.detach(), h.grad.clone(), w.grad.clone())
 

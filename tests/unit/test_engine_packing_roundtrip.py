@@ -72,6 +72,17 @@ def test_pack_layout_and_roundtrip():
     torch.testing.assert_close(flat, batch.token_fields["mask"])
 
 
+def test_host_rope_offsets_equal_cu_seqlens_on_the_cpu():
+    batch = make_batch([4, 1, 6])
+    for mb in (pack(batch, [2, 0], pad_to_multiple=4), pack(batch, [0, 1, 2])):
+        params = mb.packed_seq_params(host_rope_offsets=True)
+        assert params.cu_seqlens_q_padded.device.type == "cpu"
+        assert params.cu_seqlens_q_padded.dtype == torch.int32
+        assert params.cu_seqlens_q_padded.tolist() == mb.cu_seqlens.tolist()
+        assert params.cu_seqlens_kv_padded is params.cu_seqlens_q_padded
+    assert pack(batch, [0]).packed_seq_params().cu_seqlens_q_padded is None
+
+
 def test_next_token_shift_aligns_log_prob_of_token_t_with_position_t_minus_1():
     batch = make_batch([3, 4])
     mb = pack(batch, [0, 1], pad_to_multiple=8)

@@ -1,18 +1,27 @@
-"""Engine benchmark (one GPU): actor-update throughput against raw megatron-core, and log-prob path memory.
+"""Engine benchmark (one GPU): actor-update speed against Megatron's stock local spec, and log-prob path memory.
 
-1. Throughput. The same Qwen3-shaped bf16 model and the same tokens (rows of equal length, so Megatron's stock
-   local spec can run them) through
-     raw:   GPTModel with the stock local spec (DotProductAttention), `model(ids, pos, None, labels=...)`,
-            per-token cross entropy mean, backward; one [b, s] micro-batch after another;
-     actor: MegatronEngine.forward_backward (packed THD micro-batches under a token budget, SdpaAttention,
-            chunked vocab-parallel log-probs, injected token-mean policy-gradient loss, Megatron DDP buffers).
-   Reported: tokens/s of each (median of timed iterations after warm-up) and actor/raw (goal ≥ 0.95).
+1. Throughput, per Qwen-shaped bf16 model (0.6B- and 1.5B-shaped) and workload (rows × length, or a packed batch
+   of mixed lengths), in the same process:
+     local: GPTModel with the stock local spec (DotProductAttention, S×S scores), `model(ids, pos, None,
+            labels=...)`, per-token cross entropy mean, backward; one [rows, length] micro-batch after another
+            (equal-length rows only: the local spec cannot take packed sequences);
+     ours:  MegatronEngine.forward_backward (packed THD micro-batches under a token budget, SdpaAttention with
+            the variable-length flash kernel, chunked vocab-parallel log-probs, a token-mean policy-gradient
+            loss, Megatron DDP buffers and gradient reduction).
+   Both use the same TransformerConfig (including the CUDA-only fusions of mrl.engine.megatron.model).
+   Reported: tokens/s, TFLOP/s and MFU (FLOPs per token 6·N + 12·L·H·Q·T, N the parameters without the input
+   embedding, L layers, H heads, Q head dim, T the document's length; MFU against 790 TFLOP/s, the bf16 GEMM
+   rate measured on the H200), peak memory, and ours/local (the issue-3 goal is ≥ 0.95).
+   `--variants` also times ours with one speed-up switched off at a time; `--profile` prints the top CUDA
+   kernels of one step of ours.
 2. Memory. Per-token log-probs of T tokens at vocabulary V: peak CUDA memory above the inputs for
      materialised: (h Wᵀ).float() → log_softmax → gather   (what a naive trainer does)
-     chunked:      mrl.engine.megatron.logprob.vocab_parallel_logprobs (forward, and forward+backward)
+     chunked:      mrl.engine.megatron.logprob.vocab_parallel_logprobs (forward; forward+backward with the
+                   logits kept and recomputed)
    Reported: bytes and chunked/materialised (goal ≤ 0.25).
 
-Prints one JSON object (and writes it to --out). Usage: python tools/bench/engine.py --out result.json
+Prints tables and writes the raw results as JSON to --out. Usage: python tools/bench/engine.py --out r.json
+(`--smoke` runs tiny fp32 shapes on CPU to check the script itself).
 """
 
 from __future__ import annotations
@@ -27,17 +36,78 @@ from typing import Any
 
 import torch
 
-MODEL = dict(
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=16,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-)
+PEAK_TFLOPS = 790.0
+VOCAB = 151936
+SHAPES = {
+    "0.6B": dict(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
+    "1.5B": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        head_dim=128,
+    ),
+    "smoke": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    ),
+}
+# name → (document lengths of one step, token budget of one micro-batch of ours, rows per local micro-batch)
+WORKLOADS = {
+    "4x2048": ([2048] * 8, 8192, 4),
+    "2x4096": ([4096] * 4, 8192, 2),
+    # Mixed lengths as RL rollouts give them (seeded): ~16k tokens, two or three packed micro-batches.
+    "packed": ([3100, 220, 1750, 4096, 610, 2900, 95, 1280, 3333, 480, 1900], 8192, 0),
+}
+SMOKE_WORKLOADS = {"4x2048": ([32] * 4, 64, 2), "packed": ([40, 7, 25, 60, 13], 64, 0)}
 
 
-def make_model(folder: str, vocab: int) -> str:
+def cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def sync() -> None:
+    if cuda():
+        torch.cuda.synchronize()
+
+
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if cuda() else float("nan")
+
+
+def reset_peak() -> None:
+    if cuda():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def timed(fn: Any, iters: int, warmup: int) -> float:
+    """Median seconds of `iters` calls after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    out = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        sync()
+        out.append(time.perf_counter() - start)
+    return statistics.median(out)
+
+
+def make_model(folder: str, shape: dict, vocab: int) -> str:
     from mrl.models.tiny import make_tiny_hf_model
 
     return str(
@@ -46,91 +116,151 @@ def make_model(folder: str, vocab: int) -> str:
             folder,
             tokenizer=False,
             vocab_size=vocab,
-            dtype=torch.bfloat16,
+            dtype=torch.bfloat16 if cuda() else torch.float32,
             init_std=0.02,
             max_position_embeddings=8192,
-            **MODEL,
+            **shape,
         )
     )
 
 
-def timed(fn: Any, iters: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - start)
-    return out
+def step_flops(config: Any, n_params: int, lengths: list[int]) -> float:
+    """6·N + 12·L·H·Q·T per token, T the length of the token's document."""
+    lhq = config.num_layers * config.num_attention_heads * config.kv_channels
+    return float(sum(t * (6 * n_params + 12 * lhq * t) for t in lengths))
 
 
-def bench_throughput(rank: int, world: int, path: str, rows: int, seq: int, mb_rows: int, iters: int) -> dict:
+def bench_model(rank: int, world: int, path: str, workloads: dict, opts: dict) -> dict:
+    """All workloads of one model: ours (engine) first, then the stock local spec on the freed memory."""
     from megatron.core import parallel_state
 
     from mrl.algo.aggregation import agg_loss
     from mrl.config.schema import MegatronConfig, OptimConfig
+    from mrl.engine.megatron import attention, logprob
     from mrl.engine.megatron.engine import MegatronEngine
-    from mrl.engine.megatron.model import build_model
     from mrl.engine.megatron.packing import JaggedBatch
 
+    dtype = "bfloat16" if cuda() else "float32"
     engine = MegatronEngine(
         path,
-        MegatronConfig(params_dtype="bfloat16"),
+        MegatronConfig(params_dtype=dtype),
         OptimConfig(lr=1e-6),
         micro_batch_size=None,
-        max_tokens_per_micro_batch=mb_rows * seq,
+        max_tokens_per_micro_batch=max(budget for _, budget, _ in workloads.values()),
     )
     engine.initialize()
+    config = engine.tf_config
+    model = engine.unwrapped()[0]
+    n_params = sum(p.numel() for p in model.parameters()) - model.embedding.word_embeddings.weight.numel()
     vocab = engine.bridge.model_kwargs()["vocab_size"]
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (rows, seq), generator=g)
-    batch = JaggedBatch.from_sequences(
-        [{"input_ids": r, "response_mask": torch.ones(seq), "advantages": torch.randn(seq, generator=g)} for r in ids]
-    )
 
     def loss_fn(outputs, mb, normalizer):
         return agg_loss(-mb["advantages"] * outputs["log_probs"], mb["response_mask"], "token-mean", normalizer), {}
 
-    def actor_step() -> None:
-        engine.forward_backward(batch, loss_fn)
+    g = torch.Generator().manual_seed(0)
+    batches = {}
+    for name, (lengths, _, _) in workloads.items():
+        batches[name] = JaggedBatch.from_sequences(
+            [
+                {
+                    "input_ids": torch.randint(0, vocab, (n,), generator=g),
+                    "response_mask": torch.ones(n),
+                    "advantages": torch.randn(n, generator=g),
+                }
+                for n in lengths
+            ]
+        )
+
+    def actor_step(name: str) -> None:
+        engine.max_tokens = workloads[name][1]
+        engine.forward_backward(batches[name], loss_fn)
         engine._zero_grads()
 
-    torch.cuda.reset_peak_memory_stats()
-    actor = timed(actor_step, iters, 2)
-    actor_peak = torch.cuda.max_memory_allocated()
+    def row(name: str, seconds: float, peak: float) -> dict:
+        lengths = workloads[name][0]
+        flops = step_flops(config, n_params, lengths)
+        tflops = flops / seconds / 1e12
+        return {
+            "tokens_per_s": sum(lengths) / seconds,
+            "tflops": tflops,
+            "mfu": tflops / PEAK_TFLOPS,
+            "peak_gib": peak,
+            "step_s": seconds,
+        }
 
-    # The raw baseline: stock local spec, same TransformerConfig, same tokens as [mb_rows, seq] micro-batches.
-    engine.to("cpu")  # frees its parameter, gradient and optimizer memory for the baseline
-    torch.cuda.empty_cache()
-    raw = build_model(_config_for_raw(path), _kwargs(path), use_te=False)[0]
-    pos = torch.arange(seq, device="cuda").expand(mb_rows, -1)
-    cuda_ids = ids.cuda()
+    out: dict[str, Any] = {"n_params": n_params, "ours": {}, "local": {}, "variants": {}}
+    for name in workloads:
+        reset_peak()
+        seconds = timed(lambda name=name: actor_step(name), opts["iters"], opts["warmup"])
+        out["ours"][name] = row(name, seconds, peak_gib())
+        print(f"  ours {name}: {out['ours'][name]}", flush=True)
 
-    def raw_step() -> None:
-        for i in range(0, rows, mb_rows):
-            x = cuda_ids[i : i + mb_rows]
-            labels = torch.roll(x, -1, dims=1)
-            raw(x, pos, None, labels=labels).float().mean().backward()
-        raw.zero_grad(set_to_none=True)
+    if opts["variants"]:
+        name = opts["variant_workload"]
+        switches = {
+            "per-document SDPA (no varlen flash)": (attention, "FLASH_VARLEN", False),
+            "RMSNorm eager (not compiled)": (attention, "COMPILE_NORM", False),
+            "log-prob elementwise eager (no torch.compile)": (logprob, "COMPILE_ON_CUDA", False),
+            "logits recomputed in backward": (engine.cfg, "logprob_keep_logits_gib", 0.0),
+        }
+        for label, (obj, attr, value) in switches.items():
+            before = getattr(obj, attr)
+            setattr(obj, attr, value)
+            try:
+                reset_peak()
+                out["variants"][label] = row(name, timed(lambda: actor_step(name), opts["iters"], 1), peak_gib())
+            finally:
+                setattr(obj, attr, before)
+            print(f"  variant {label}: {out['variants'][label]}", flush=True)
+        for chunk in opts["chunks"]:
+            before, engine.chunk_tokens = engine.chunk_tokens, chunk
+            reset_peak()
+            out["variants"][f"chunk_tokens={chunk}"] = row(
+                name, timed(lambda: actor_step(name), opts["iters"], 1), peak_gib()
+            )
+            engine.chunk_tokens = before
+            print(f"  variant chunk {chunk}: {out['variants'][f'chunk_tokens={chunk}']}", flush=True)
 
-    torch.cuda.reset_peak_memory_stats()
-    raw_t = timed(raw_step, iters, 2)
-    raw_peak = torch.cuda.max_memory_allocated()
-    tokens = rows * seq
+    if opts["profile"] and cuda():
+        from torch.profiler import ProfilerActivity, profile
+
+        name = opts["variant_workload"]
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            actor_step(name)
+            sync()
+        out["profile"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+        print(out["profile"], flush=True)
+
+    # The stock local spec on the same TransformerConfig, after freeing the engine's memory.
+    engine.to("cpu")  # frees its parameters, gradients and optimizer state on the device
+    model = None
+    reset_peak()
+    from mrl.engine.megatron.model import build_model
+
+    local = build_model(config, _kwargs(path), use_te=False)[0]
+    device = next(local.parameters()).device
+    for name, (lengths, _, rows) in workloads.items():
+        if not rows:
+            continue
+        ids = torch.cat([b for b in batches[name].token_fields["input_ids"].split(lengths)]).view(-1, lengths[0])
+        ids = ids.to(device)
+        pos = torch.arange(lengths[0], device=device).expand(rows, -1)
+
+        def local_step(ids: torch.Tensor = ids, pos: torch.Tensor = pos, rows: int = rows) -> None:
+            for i in range(0, ids.shape[0], rows):
+                x = ids[i : i + rows]
+                local(x, pos, None, labels=torch.roll(x, -1, dims=1)).float().mean().backward()
+            local.zero_grad(set_to_none=True)
+
+        reset_peak()
+        try:
+            out["local"][name] = row(name, timed(local_step, opts["iters"], opts["warmup"]), peak_gib())
+        except torch.OutOfMemoryError as e:
+            out["local"][name] = {"error": f"out of memory: {str(e)[:120]}"}
+            local.zero_grad(set_to_none=True)
+        print(f"  local {name}: {out['local'][name]}", flush=True)
     parallel_state.destroy_model_parallel()
-    return {
-        "tokens_per_step": tokens,
-        "actor_tokens_per_s": tokens / statistics.median(actor),
-        "raw_tokens_per_s": tokens / statistics.median(raw_t),
-        "actor_over_raw": statistics.median(raw_t) / statistics.median(actor),
-        "actor_peak_gib": actor_peak / 2**30,
-        "raw_peak_gib": raw_peak / 2**30,
-        "actor_step_s": actor,
-        "raw_step_s": raw_t,
-    }
+    return out
 
 
 def _kwargs(path: str) -> dict:
@@ -141,17 +271,6 @@ def _kwargs(path: str) -> dict:
     return bridge_for(AutoConfig.from_pretrained(path)).model_kwargs()
 
 
-def _config_for_raw(path: str) -> Any:
-    from transformers import AutoConfig
-
-    from bridges.registry import bridge_for
-    from mrl.engine.megatron.model import runtime_config
-    from mrl.engine.megatron.parallel import ParallelLayout
-
-    bridge = bridge_for(AutoConfig.from_pretrained(path))
-    return bridge.transformer_config(**runtime_config(ParallelLayout(), params_dtype=torch.bfloat16))
-
-
 def bench_logprob_memory(tokens: int, hidden: int, vocab: int, chunk: int) -> dict:
     from mrl.engine.megatron.logprob import vocab_parallel_logprobs
 
@@ -159,6 +278,7 @@ def bench_logprob_memory(tokens: int, hidden: int, vocab: int, chunk: int) -> di
     h = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
     w = 0.02 * torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
     labels = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
+    coeff = torch.randn(tokens, device="cuda", generator=g)
 
     def peak(fn: Any) -> int:
         torch.cuda.synchronize()
@@ -169,24 +289,28 @@ def bench_logprob_memory(tokens: int, hidden: int, vocab: int, chunk: int) -> di
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
 
+    grads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
     def materialised(backward: bool) -> None:
         hh, ww = h.detach().requires_grad_(backward), w.detach().requires_grad_(backward)
         with torch.set_grad_enabled(backward):
             logp = torch.log_softmax((hh @ ww.t()).float(), -1).gather(-1, labels[:, None]).squeeze(-1)
             if backward:
-                logp.sum().backward()
+                (logp * coeff).sum().backward()
+                grads["materialised"] = (hh.grad, ww.grad)
 
-    def chunked(backward: bool) -> None:
+    def chunked(backward: bool, keep: int, key: str) -> None:
         hh, ww = h.detach().requires_grad_(backward), w.detach().requires_grad_(backward)
         with torch.set_grad_enabled(backward):
-            logp, _ = vocab_parallel_logprobs(hh, ww, labels, chunk_tokens=chunk)
+            logp, _ = vocab_parallel_logprobs(hh, ww, labels, chunk_tokens=chunk, keep_logits_bytes=keep)
             if backward:
-                logp.sum().backward()
+                (logp * coeff).sum().backward()
+                grads[key] = (hh.grad, ww.grad)
 
     with torch.no_grad():
         ref = torch.log_softmax((h @ w.t()).float(), -1).gather(-1, labels[:, None]).squeeze(-1)
         got, _ = vocab_parallel_logprobs(h, w, labels, chunk_tokens=chunk)
-    out = {
+    out: dict[str, Any] = {
         "tokens": tokens,
         "hidden": hidden,
         "vocab": vocab,
@@ -194,43 +318,103 @@ def bench_logprob_memory(tokens: int, hidden: int, vocab: int, chunk: int) -> di
         "fp32_logits_gib": tokens * vocab * 4 / 2**30,
         "max_abs_diff_vs_materialised": float((got - ref).abs().max()),
     }
-    for mode in (False, True):
-        m, c = peak(lambda mode=mode: materialised(mode)), peak(lambda mode=mode: chunked(mode))
-        key = "fwd_bwd" if mode else "fwd"
-        out[f"{key}_materialised_gib"] = m / 2**30
-        out[f"{key}_chunked_gib"] = c / 2**30
-        out[f"{key}_ratio"] = c / m
+    fwd_m = peak(lambda: materialised(False))
+    fwd_c = peak(lambda: chunked(False, 0, "fwd"))
+    out.update(fwd_materialised_gib=fwd_m / 2**30, fwd_chunked_gib=fwd_c / 2**30, fwd_ratio=fwd_c / fwd_m)
+    bwd_m = peak(lambda: materialised(True))
+    for key, keep in (("recompute", 0), ("keep", 8 << 30)):
+        c = peak(lambda keep=keep, key=key: chunked(True, keep, key))
+        out[f"fwd_bwd_{key}_gib"] = c / 2**30
+        out[f"fwd_bwd_{key}_ratio"] = c / bwd_m
+        rel = [
+            float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(grads[key], grads["materialised"])
+        ]
+        out[f"fwd_bwd_{key}_grad_rel_err"] = rel
+    out["fwd_bwd_materialised_gib"] = bwd_m / 2**30
     return out
+
+
+def print_tables(result: dict) -> None:
+    print(
+        "\n| model | workload | tokens | ours tok/s | ours TFLOP/s | ours MFU | ours peak GiB | local tok/s | "
+        "local TFLOP/s | local MFU | local peak GiB | ours/local |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for shape, r in result["models"].items():
+        for name, ours in r["ours"].items():
+            local = r["local"].get(name, {})
+            tokens = sum(result["workloads"][name][0])
+            if "tokens_per_s" in local:
+                cols = (
+                    f"{local['tokens_per_s']:,.0f} | {local['tflops']:.0f} | {local['mfu']:.1%} | "
+                    f"{local['peak_gib']:.1f} | {ours['tokens_per_s'] / local['tokens_per_s']:.2f}×"
+                )
+            else:
+                cols = f"{local.get('error', 'n/a (packed)')} | | | | "
+            print(
+                f"| {shape} | {name} | {tokens} | {ours['tokens_per_s']:,.0f} | {ours['tflops']:.0f} | "
+                f"{ours['mfu']:.1%} | {ours['peak_gib']:.1f} | {cols} |"
+            )
+    for shape, r in result["models"].items():
+        if r["variants"]:
+            print(f"\nvariants of ours, {shape}, {result['variant_workload']} (one switch off at a time):")
+            print("| variant | tok/s | TFLOP/s | MFU | peak GiB |\n|---|---|---|---|---|")
+            base = r["ours"][result["variant_workload"]]
+            for label, v in {"all on": base, **r["variants"]}.items():
+                print(
+                    f"| {label} | {v['tokens_per_s']:,.0f} | {v['tflops']:.0f} | {v['mfu']:.1%} | {v['peak_gib']:.1f} |"
+                )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--rows", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--mb-rows", type=int, default=4)
+    parser.add_argument("--shapes", default="0.6B,1.5B")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--variants", default="", help="shapes (comma-separated) whose variants are timed")
+    parser.add_argument("--variant-workload", default="2x4096")
+    parser.add_argument("--chunks", default="", help="extra log-prob chunk sizes timed as variants, e.g. 1024")
+    parser.add_argument("--profile", default="", help="shapes whose step is profiled")
     parser.add_argument("--logprob-tokens", type=int, default=8192)
     parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on CPU: checks the script only")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("tools/bench/engine.py needs CUDA")
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "model": MODEL}
-    result["logprob_memory"] = bench_logprob_memory(args.logprob_tokens, MODEL["hidden_size"], args.vocab, args.chunk)
-    print(json.dumps(result["logprob_memory"]), flush=True)
+    if not cuda() and not args.smoke:
+        raise SystemExit("tools/bench/engine.py needs CUDA (or --smoke)")
+    shapes = ["smoke"] if args.smoke else args.shapes.split(",")
+    workloads = SMOKE_WORKLOADS if args.smoke else {k: WORKLOADS[k] for k in args.workloads.split(",")}
+    vocab = 512 if args.smoke else VOCAB
+    variant_workload = "4x2048" if args.smoke else args.variant_workload
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if cuda() else "cpu",
+        "workloads": workloads,
+        "variant_workload": variant_workload,
+        "models": {},
+    }
+    if cuda():
+        result["logprob_memory"] = bench_logprob_memory(args.logprob_tokens, 1024, vocab, args.chunk)
+        print(json.dumps(result["logprob_memory"]), flush=True)
     from mrl.utils.distributed import launch
 
-    with tempfile.TemporaryDirectory() as folder:
-        path = make_model(os.path.join(folder, "model"), args.vocab)
-        result["throughput"] = launch(
-            bench_throughput, 1, path, args.rows, args.seq, args.mb_rows, args.iters, timeout_s=540
-        )[0]
-    text = json.dumps(result, indent=1)
-    print(text)
+    for shape in shapes:
+        opts = dict(
+            iters=args.iters,
+            warmup=args.warmup,
+            variants=args.smoke or shape in args.variants.split(","),
+            variant_workload=variant_workload,
+            chunks=[int(c) for c in args.chunks.split(",") if c],
+            profile=shape in args.profile.split(","),
+        )
+        print(f"== {shape}: {SHAPES[shape]}", flush=True)
+        with tempfile.TemporaryDirectory() as folder:
+            path = make_model(os.path.join(folder, "model"), SHAPES[shape], vocab)
+            result["models"][shape] = launch(bench_model, 1, path, workloads, opts, timeout_s=900)[0]
+    print_tables(result)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(text)
+            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -7,23 +7,73 @@ its place in the spec (same constructor and forward signature) and computes, per
 
 with `torch.nn.functional.scaled_dot_product_attention` (flash / memory-efficient kernels where available). In
 THD format (`packed_seq_params.qkv_format == "thd"`, tensors [t, heads, dim]) documents are the `cu_seqlens`
-segments and never see each other; each runs as its own causal SDPA call, so no T×T mask is ever built. GQA uses
-`enable_gqa=True`, so K/V are not repeated in memory. Under tensor parallelism Megatron hands this module the
-local heads (heads/TP, groups/TP) already, so nothing here depends on the TP size beyond the head counts.
+segments and never see each other, and no T×T mask is ever built:
+- CUDA, fp16/bf16: one call of PyTorch's variable-length flash-attention kernel over the whole packed row
+  (`aten._flash_attention_forward/backward` with `cu_seqlens`, as `torch.nn.attention.varlen` uses them), which
+  takes grouped K/V natively and needs no host synchronisation;
+- otherwise (CPU, fp32): one causal SDPA call per document, exact against the reference attention.
+GQA never repeats K/V in memory (`enable_gqa=True` for SDPA). Under tensor parallelism Megatron hands this module
+the local heads (heads/TP, groups/TP) already, so nothing here depends on the TP size beyond the head counts.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 from torch import Tensor
+
+# Use the variable-length flash kernel for packed rows where it applies, and the compiled RMSNorm on CUDA
+# (tools/bench/engine.py switches each off to measure it).
+FLASH_VARLEN = True
+COMPILE_NORM = True
+
+
+class _FlashVarlen(torch.autograd.Function):
+    """Causal (or full) attention over the documents `cu` of a packed [t, heads, d] row; K/V may hold fewer heads."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float, causal: bool):
+        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, max_len, max_len, 0.0, causal, False, scale=scale
+        )
+        ctx.save_for_backward(q, k, v, out, lse, cu, rng, unused)
+        ctx.max_len, ctx.scale, ctx.causal = max_len, scale, causal
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor):
+        q, k, v, out, lse, cu, rng, unused = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad.contiguous(),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cu,
+            cu,
+            ctx.max_len,
+            ctx.max_len,
+            0.0,
+            ctx.causal,
+            rng,
+            unused,
+            scale=ctx.scale,
+        )
+        return dq, dk, dv, None, None, None, None
+
+
+def _last_dim_contiguous(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 class SdpaAttention(MegatronModule):
@@ -89,6 +139,11 @@ class SdpaAttention(MegatronModule):
         mask_type = attn_mask_type or self.attn_mask_type
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            if self._use_flash_varlen(query):
+                q, k, v = (_last_dim_contiguous(x) for x in (query, key, value))
+                cu, max_len = packed_seq_params.cu_seqlens_q, int(packed_seq_params.max_seqlen_q)
+                out = _FlashVarlen.apply(q, k, v, cu, max_len, self.scale, causal)
+                return out.reshape(query.shape[0], self.hidden_per_partition)
             return self._forward_thd(query, key, value, packed_seq_params.cu_seqlens_q, causal)
         # [s, b, h, d] → [b, h, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
@@ -99,6 +154,10 @@ class SdpaAttention(MegatronModule):
             causal = False
         out = self._sdpa(q, k, v, mask, causal)
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], self.hidden_per_partition)
+
+    def _use_flash_varlen(self, query: Tensor) -> bool:
+        dropout = self.dropout if self.training else 0.0
+        return FLASH_VARLEN and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0
 
     def _forward_thd(self, query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, causal: bool) -> Tensor:
         bounds = cu_seqlens.tolist()
@@ -112,16 +171,66 @@ class SdpaAttention(MegatronModule):
         return out
 
 
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+@functools.cache
+def _compiled_rms_norm() -> Any:
+    return torch.compile(_rms_norm, dynamic=True)
+
+
+class CompiledRMSNorm(torch.nn.RMSNorm):
+    """torch.nn.RMSNorm (what Megatron's local spec builds) whose CUDA forward and backward are one compiled
+    kernel each: eager autograd decomposes the norm's backward into ~10 elementwise kernels per call, and the
+    local spec runs four norms per layer (input, pre-MLP, and Qwen3's q/k). Same parameter, same formula
+    (fp32 statistics); on CPU the eager module runs unchanged."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (x.is_cuda and COMPILE_NORM):
+            return super().forward(x)
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        # Always 2-D: one compiled graph serves the [s, b, hidden] and the [t, heads, head_dim] (q/k) norms; each
+        # extra input rank would be another recompilation, and dynamo falls back to eager after eight.
+        return _compiled_rms_norm()(x.reshape(-1, x.shape[-1]), self.weight, eps).view(x.shape)
+
+
+class LocalNorm:
+    """Megatron's `WrappedTorchNorm` builder (same arguments) that builds `CompiledRMSNorm` for RMSNorm and accepts
+    sequence parallelism (mrl.engine.megatron.model.build_sequence_parallel_norm), on CPU and CUDA alike."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs: Any) -> Any:
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        from mrl.engine.megatron.model import build_sequence_parallel_norm
+
+        norm = build_sequence_parallel_norm(lambda: WrappedTorchNorm(config, hidden_size, eps, **kwargs), config)
+        if type(norm) is torch.nn.RMSNorm:
+            # A subclass adding no state: re-classing keeps the weight and any attribute put on it (the CPU
+            # layer's `sequence_parallel` tag) exactly as Megatron built them.
+            norm.__class__ = CompiledRMSNorm
+        return norm
+
+
 def sdpa_layer_spec(config: TransformerConfig, *, vp_stage: int | None = None):
     """The local (non-TE) decoder block spec of this stage (mrl.engine.megatron.model.layer_spec) with
-    `SdpaAttention` wherever Megatron's `DotProductAttention` was; MLA layers keep their own core attention."""
+    `SdpaAttention` wherever Megatron's `DotProductAttention` was (MLA layers keep their own core attention) and
+    `CompiledRMSNorm` wherever the spec builds torch's RMSNorm."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     from mrl.engine.megatron.model import layer_spec
 
     spec = layer_spec(config, use_te=False, vp_stage=vp_stage)
+    norms = [spec]
     for layer in spec.layer_specs:
         attention = layer.submodules.self_attention.submodules
         if attention.core_attention is DotProductAttention:
             attention.core_attention = SdpaAttention
+        norms += [layer.submodules, attention]
+    for holder in norms:
+        for name in ("layer_norm", "input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm"):
+            if getattr(holder, name, None) is WrappedTorchNorm:
+                setattr(holder, name, LocalNorm)
     return spec

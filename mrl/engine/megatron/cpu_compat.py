@@ -228,24 +228,16 @@ def _patch_moe_split_sizes() -> str:
 
 
 def _patch_torch_norm_sequence_parallel() -> str:
-    # The local spec's WrappedTorchNorm refuses sequence_parallel, which MoE with TP > 1 requires. Build it
-    # with SP masked and tag its weights `sequence_parallel` so their grads are all-reduced over TP, as TE's
-    # norms are.
+    # The local spec's WrappedTorchNorm refuses sequence_parallel, which MoE with TP > 1 requires (the engine's
+    # own spec builds its norms through the same helper on CUDA too; this covers the plain local spec on CPU).
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from mrl.engine.megatron.model import build_sequence_parallel_norm
 
     original = WrappedTorchNorm.__new__
 
     def new(cls: type, config: Any, hidden_size: int, *args: Any, **kwargs: Any) -> Any:
-        if not config.sequence_parallel:
-            return original(cls, config, hidden_size, *args, **kwargs)
-        object.__setattr__(config, "sequence_parallel", False)
-        try:
-            norm = original(cls, config, hidden_size, *args, **kwargs)
-        finally:
-            object.__setattr__(config, "sequence_parallel", True)
-        for param in norm.parameters():
-            param.sequence_parallel = True
-        return norm
+        return build_sequence_parallel_norm(lambda: original(cls, config, hidden_size, *args, **kwargs), config)
 
     WrappedTorchNorm.__new__ = new  # type: ignore[method-assign,assignment]
     return "WrappedTorchNorm accepts sequence_parallel"

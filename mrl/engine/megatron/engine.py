@@ -100,19 +100,20 @@ class MegatronEngine(BaseEngine):
         from transformers import AutoConfig
 
         from bridges.registry import bridge_for
-        from mrl.engine.megatron.model import runtime_config
+        from mrl.engine.megatron.model import cuda_fusions, runtime_config
         from mrl.engine.megatron.parallel import init_distributed, initialize_model_parallel
 
         init_distributed()
         initialize_model_parallel(self.layout, seed=self.seed)
         self.bridge = bridge_for(AutoConfig.from_pretrained(self.model_path), backend=self.bridge_backend)
         dtype = getattr(torch, self.cfg.params_dtype)
-        fields = runtime_config(
-            self.layout,
-            params_dtype=dtype,
-            sequence_parallel=self.cfg.sequence_parallel,
+        overrides = {
+            **cuda_fusions(self.bridge.config_fields()),
             **self._recompute_fields(),
             **self.cfg.override_transformer_config,
+        }
+        fields = runtime_config(
+            self.layout, params_dtype=dtype, sequence_parallel=self.cfg.sequence_parallel, **overrides
         )
         self.tf_config = self.bridge.transformer_config(**fields)
         chunks = build_chunks(self.tf_config, self.bridge.model_kwargs())
@@ -221,8 +222,11 @@ class MegatronEngine(BaseEngine):
     def _run_schedule(self, mbs: list[PackedMicroBatch], loss_func: Any, forward_only: bool) -> list[Any]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        from mrl.engine.megatron.model import transformer_engine_available
+
         device = _device()
         mbs = [mb.to(device) for mb in mbs]
+        host_offsets = not transformer_engine_available()
 
         def forward_step(data_iterator: Iterator[PackedMicroBatch], model: Any) -> tuple[Any, Any]:
             mb = next(data_iterator)
@@ -230,7 +234,7 @@ class MegatronEngine(BaseEngine):
                 mb.input_ids,
                 mb.position_ids,
                 None,
-                packed_seq_params=mb.packed_seq_params(),
+                packed_seq_params=mb.packed_seq_params(host_rope_offsets=host_offsets),
                 output_processor=self._output_processor(),
                 output_processor_context=self._processor_context(mb, model),
             )
@@ -251,7 +255,11 @@ class MegatronEngine(BaseEngine):
         return logprob.output_processor
 
     def _processor_context(self, mb: PackedMicroBatch, model: Any) -> dict[str, Any]:
-        return {"labels": next_token_labels(mb.input_ids), "chunk_tokens": self.chunk_tokens}
+        return {
+            "labels": next_token_labels(mb.input_ids),
+            "chunk_tokens": self.chunk_tokens,
+            "keep_logits_bytes": int(self.cfg.logprob_keep_logits_gib * 2**30),
+        }
 
     def _token_outputs(self, mb: PackedMicroBatch, output: Any) -> dict[str, Tensor]:
         """Model outputs of one micro-batch as padded [n, max_len] tensors, token-aligned (see packing.py)."""

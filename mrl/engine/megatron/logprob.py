@@ -1,4 +1,4 @@
-"""Per-token log-probs and entropy from hidden states, vocab-parallel and chunked over tokens.
+"""Per-token log-probs and entropy from hidden states, vocab-parallel and chunked, never all fp32 logits at once.
 
 For hidden states h [T, H] (identical on every TP rank) and this rank's rows W_r [V/tp, H] of the output layer,
 z = h W_rᵀ are this rank's logits. With m = max over all ranks, s = Σ_all exp(z − m), lse = m + log s:
@@ -7,23 +7,43 @@ z = h W_rᵀ are this rank's logits. With m = max over all ranks, s = Σ_all exp
     H         = lse − Σ_v p_v z_v
     ∂log p(y)/∂z = onehot(y) − p               ∂H/∂z = −p ⊙ (z − E_p[z]),  E_p[z] = lse − H
 
-Each rank only ever holds a [chunk, V/tp] block of logits: the forward keeps h, W, y and per-token (lse, H), and
-the backward recomputes the logits chunk by chunk. The gradient w.r.t. h is this rank's partial sum; the caller
-feeds h through Megatron's `copy_to_tensor_model_parallel_region` (or the sequence-parallel gather) whose backward
-sums it over TP, exactly as for the output ColumnParallelLinear it replaces.
+Forward: token chunks of `chunk_tokens` rows; each chunk's logits [chunk, V/tp] live only while its statistics
+are reduced over TP. Backward: vocabulary blocks of about the same size, [T, V_b] each, so the weight gradient
+of a block is one GEMM written once (token chunks would re-read and re-write the whole [V/tp, H] fp32 weight
+gradient per chunk: memory traffic that outweighed the GEMMs on the H200) and only the small [T, H] hidden
+gradient accumulates. The logits the backward needs are kept from the forward, in the GEMM's dtype (bf16 under
+bf16 training: what the stock output layer holds too), while they fit in `keep_logits_bytes`; above that the
+backward recomputes each block's GEMM (4 vocabulary GEMMs instead of 3). The gradient w.r.t. h is this rank's
+partial sum; the caller feeds h through Megatron's `copy_to_tensor_model_parallel_region` (or the
+sequence-parallel gather) whose backward sums it over TP, exactly as for the output ColumnParallelLinear.
+
+On CUDA the elementwise work of a chunk or block (exp, sums, the logit gradient) runs as one torch.compile'd
+kernel each, reading the bf16 logits once instead of making several fp32 passes; on CPU it runs eagerly.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-# 256 tokens × 152k vocab: 0.58 GiB peak on the forward at hidden 1024 (H200, tools/bench/engine.py), 1/16 of the
-# materialised path; 1024 gave 0.25×. The GEMMs stay large enough to keep the log-prob path off the critical path.
-DEFAULT_CHUNK_TOKENS = 256
+log = logging.getLogger(__name__)
+
+# Tokens per forward chunk (and logits per backward block: chunk × V). On the H200 (tools/bench/engine.py, 1.5B
+# shape, 2×4096 tokens, whole actor step) 256 / 1024 / 4096 ran at 27.7k / 31.2k / 32.8k tokens/s with peaks of
+# 36.9 / 37.4 / 39.1 GiB: fewer, larger vocabulary GEMMs. With the compiled elementwise kernels a chunk's only
+# large buffer is its [chunk, V/tp] logits (1.2 GiB in bf16 at 4096 × 152k); on CPU the eager path holds a few
+# fp32 copies of it.
+DEFAULT_CHUNK_TOKENS = 4096
+# Logits kept for the backward per micro-batch and rank: 16k tokens at a 152k vocabulary in bf16 is 4.6 GiB.
+DEFAULT_KEEP_LOGITS_BYTES = 4 << 30
+# torch.compile the elementwise parts on CUDA (tools/bench/engine.py switches it off to measure the difference).
+COMPILE_ON_CUDA = True
 
 
 def _all_reduce(x: Tensor, op: Any, group: Any) -> Tensor:
@@ -32,62 +52,84 @@ def _all_reduce(x: Tensor, op: Any, group: Any) -> Tensor:
     return x
 
 
-def _chunk_stats(h: Tensor, w: Tensor, labels: Tensor, vocab_start: int, group: Any) -> tuple[Tensor, ...]:
-    """Logits z [c, V/tp] (fp32) and global (lse, target logit, Σ p z) of one chunk."""
-    z = torch.nn.functional.linear(h, w).float()
-    m = z.max(dim=-1).values
-    _all_reduce(m, dist.ReduceOp.MAX, group)
-    e = torch.exp(z - m[:, None])
-    s = e.sum(-1)
-    ez = (e * z).sum(-1)
-    local = labels - vocab_start
+def _chunk_sums(z: Tensor, m: Tensor, local: Tensor) -> Tensor:
+    """[3, c] fp32: Σ exp(z − m), Σ exp(z − m)·z and z at the local label (0 where this rank does not own it)."""
+    zf = z.float()
+    e = torch.exp(zf - m[:, None])
     owned = (local >= 0) & (local < z.shape[-1])
-    target = torch.where(owned, z.gather(-1, local.clamp(0, z.shape[-1] - 1)[:, None]).squeeze(-1), 0.0)
-    packed = torch.stack([s, ez, target])
-    _all_reduce(packed, dist.ReduceOp.SUM, group)
-    s, ez, target = packed
-    lse = m + torch.log(s)
-    return z, lse, target, ez / s
+    target = torch.where(owned, zf.gather(-1, local.clamp(0, z.shape[-1] - 1)[:, None]).squeeze(-1), 0.0)
+    return torch.stack([e.sum(-1), (e * zf).sum(-1), target])
+
+
+def _logit_grad(
+    z: Tensor, lse: Tensor, mean_z: Tensor, local: Tensor, g_logp: Tensor | None, g_ent: Tensor | None
+) -> Tensor:
+    """∂loss/∂z of a [T, V_b] block in z's dtype (the formula of the module docstring)."""
+    zf = z.float()
+    p = torch.exp(zf - lse[:, None])
+    dz = torch.zeros_like(zf)
+    if g_logp is not None:
+        cols = torch.arange(z.shape[-1], device=z.device)
+        dz = dz + torch.where(cols[None, :] == local[:, None], g_logp[:, None], 0.0) - g_logp[:, None] * p
+    if g_ent is not None:
+        dz = dz - g_ent[:, None] * p * (zf - mean_z[:, None])
+    return dz.to(z.dtype)
+
+
+@functools.cache
+def _compiled(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    return torch.compile(fn, dynamic=True)
+
+
+def _kernel(fn: Callable[..., Tensor], x: Tensor) -> Callable[..., Tensor]:
+    return _compiled(fn) if COMPILE_ON_CUDA and x.is_cuda else fn
 
 
 class _VocabParallelLogProb(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, h: Tensor, w: Tensor, labels: Tensor, vocab_start: int, group: Any, chunk: int):
-        logp, ent, lse = (torch.empty(h.shape[0], dtype=torch.float32, device=h.device) for _ in range(3))
-        for a in range(0, h.shape[0], chunk):
-            b = min(a + chunk, h.shape[0])
-            _, lse_c, target, mean_z = _chunk_stats(h[a:b], w, labels[a:b], vocab_start, group)
-            logp[a:b], ent[a:b], lse[a:b] = target - lse_c, lse_c - mean_z, lse_c
+    def forward(
+        ctx: Any, h: Tensor, w: Tensor, labels: Tensor, vocab_start: int, group: Any, chunk: int, keep_bytes: int
+    ):
+        t, v = h.shape[0], w.shape[0]
+        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        keep = needs_grad and t * v * w.element_size() <= keep_bytes
+        kept = torch.empty(t, v, dtype=w.dtype, device=w.device) if keep else None
+        logp, ent, lse = (torch.empty(t, dtype=torch.float32, device=h.device) for _ in range(3))
+        local = labels - vocab_start
+        sums = _kernel(_chunk_sums, h)
+        for a in range(0, t, chunk):
+            b = min(a + chunk, t)
+            z = torch.mm(h[a:b], w.t(), out=kept[a:b]) if kept is not None else torch.mm(h[a:b], w.t())
+            m = _all_reduce(z.max(dim=-1).values.float(), dist.ReduceOp.MAX, group)
+            s, ez, target = _all_reduce(sums(z, m, local[a:b]), dist.ReduceOp.SUM, group)
+            lse_c = m + torch.log(s)
+            logp[a:b], ent[a:b], lse[a:b] = target - lse_c, lse_c - ez / s, lse_c
         # Unused outputs (entropy, usually) then reach backward as None and cost nothing.
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(h, w, labels, lse, ent)
-        ctx.vocab_start, ctx.group, ctx.chunk = vocab_start, group, chunk
+        ctx.save_for_backward(h, w, labels, lse, ent, kept)
+        ctx.vocab_start, ctx.chunk = vocab_start, chunk
         return logp, ent
 
     @staticmethod
     def backward(ctx: Any, g_logp: Tensor | None, g_ent: Tensor | None):
-        h, w, labels, lse, ent = ctx.saved_tensors
-        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if ctx.needs_input_grad[1] else None
-        for a in range(0, h.shape[0], ctx.chunk):
-            b = min(a + ctx.chunk, h.shape[0])
-            z = torch.nn.functional.linear(h[a:b], w).float()
-            p = torch.exp(z - lse[a:b, None])
-            dz = torch.zeros_like(z)
-            if g_logp is not None:
-                dz -= g_logp[a:b, None] * p
-                local = labels[a:b] - ctx.vocab_start
-                owned = (local >= 0) & (local < z.shape[-1])
-                rows = torch.nonzero(owned).squeeze(-1)
-                dz[rows, local[rows]] += g_logp[a:b][rows]
-            if g_ent is not None:
-                mean_z = lse[a:b] - ent[a:b]
-                dz -= g_ent[a:b, None] * p * (z - mean_z[:, None])
+        h, w, labels, lse, ent, kept = ctx.saved_tensors
+        t, v = h.shape[0], w.shape[0]
+        grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if ctx.needs_input_grad[0] else None
+        grad_w = torch.empty_like(w) if ctx.needs_input_grad[1] else None
+        local = labels - ctx.vocab_start
+        mean_z = lse - ent
+        logit_grad = _kernel(_logit_grad, h)
+        # Vocabulary blocks holding about as many logits as a forward chunk, in multiples of 128 columns.
+        block = min(v, max(128, -(-ctx.chunk * v // max(t, 1) // 128) * 128))
+        for a in range(0, v, block):
+            b = min(a + block, v)
+            z = kept[:, a:b] if kept is not None else torch.mm(h, w[a:b].t())
+            dz = logit_grad(z, lse, mean_z, local - a, g_logp, g_ent)
             if grad_h is not None:
-                grad_h[a:b] = (dz.to(w.dtype) @ w).to(h.dtype)
+                grad_h += torch.mm(dz, w[a:b]).float()
             if grad_w is not None:
-                grad_w += dz.t() @ h[a:b].float()
-        return grad_h, (grad_w.to(w.dtype) if grad_w is not None else None), None, None, None, None
+                torch.mm(dz.t(), h, out=grad_w[a:b])
+        return (grad_h.to(h.dtype) if grad_h is not None else None), grad_w, None, None, None, None, None
 
 
 def vocab_parallel_logprobs(
@@ -98,10 +140,12 @@ def vocab_parallel_logprobs(
     tp_group: Any = None,
     vocab_start: int = 0,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    keep_logits_bytes: int = DEFAULT_KEEP_LOGITS_BYTES,
 ) -> tuple[Tensor, Tensor]:
     """(log p(labels), entropy) per token, fp32 [T], for replicated `hidden` [T, H] and the local vocab shard
-    `weight` [V/tp, H] starting at global id `vocab_start`; differentiable w.r.t. hidden and weight."""
-    return _VocabParallelLogProb.apply(hidden, weight, labels, vocab_start, tp_group, chunk_tokens)
+    `weight` [V/tp, H] starting at global id `vocab_start`; differentiable w.r.t. hidden and weight.
+    `keep_logits_bytes`: the most memory the [T, V/tp] logits may take to be kept for the backward pass."""
+    return _VocabParallelLogProb.apply(hidden, weight, labels, vocab_start, tp_group, chunk_tokens, keep_logits_bytes)
 
 
 def output_processor(
@@ -131,5 +175,6 @@ def output_processor(
         tp_group=group,
         vocab_start=rank * weight.shape[0],
         chunk_tokens=context.get("chunk_tokens", DEFAULT_CHUNK_TOKENS),
+        keep_logits_bytes=context.get("keep_logits_bytes", DEFAULT_KEEP_LOGITS_BYTES),
     )
     return logp.view(s, b).t(), ent.view(s, b).t()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -69,6 +69,35 @@ def runtime_config(
     )
     fields.update(overrides)
     return fields
+
+
+def cuda_fusions(architecture: Mapping[str, Any]) -> dict[str, Any]:
+    """Fused-kernel switches that need neither TransformerEngine nor apex, on CUDA only (CPU keeps one exact path):
+    Megatron's torch.compile'd residual add (`bias_dropout_add_fused_train`) and, where the architecture is a
+    SiLU-gated MLP, its torch.compile'd SwiGLU (`bias_swiglu_impl`: one kernel each way, saves only the fc1
+    output)."""
+    if not torch.cuda.is_available():
+        return {}
+    fields: dict[str, Any] = {"bias_dropout_fusion": True}
+    if architecture.get("gated_linear_unit") and architecture.get("activation_func") is torch.nn.functional.silu:
+        fields["bias_activation_fusion"] = True
+    return fields
+
+
+def build_sequence_parallel_norm(build: Callable[[], Any], config: Any) -> Any:
+    """`build()` a torch norm of the local spec under sequence parallelism, which Megatron's `WrappedTorchNorm`
+    refuses (MoE with TP > 1 requires SP): build it with SP masked, then tag its weights `sequence_parallel` so
+    their gradients are all-reduced over TP, as TransformerEngine's norms are."""
+    if not config.sequence_parallel:
+        return build()
+    object.__setattr__(config, "sequence_parallel", False)
+    try:
+        norm = build()
+    finally:
+        object.__setattr__(config, "sequence_parallel", True)
+    for param in norm.parameters():
+        param.sequence_parallel = True
+    return norm
 
 
 @functools.cache

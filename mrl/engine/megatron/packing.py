@@ -144,13 +144,23 @@ class PackedMicroBatch:
     def num_tokens(self) -> int:
         return int(sum(self.lengths))
 
-    def packed_seq_params(self):
+    def packed_seq_params(self, *, host_rope_offsets: bool = False):
+        """Megatron's THD description of the row. `host_rope_offsets` also hands the offsets, as a CPU tensor, in
+        the `*_padded` fields, which Megatron's unfused THD RoPE alone reads when TransformerEngine is absent:
+        it splits the row with `.tolist()`/`.item()` on them twice per layer, host synchronisations on a device
+        tensor (nothing else without TE reads them; with TE they mean context-parallel padding: leave them)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
+        host = None
+        if host_rope_offsets:
+            pad = self.input_ids.shape[1] - self.num_tokens
+            host = torch.tensor([0, *itertools.accumulate([*self.lengths, *([pad] if pad else [])])], dtype=torch.int32)
         return PackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=self.cu_seqlens,
             cu_seqlens_kv=self.cu_seqlens,
+            cu_seqlens_q_padded=host,
+            cu_seqlens_kv_padded=host,
             max_seqlen_q=self.max_seqlen,
             max_seqlen_kv=self.max_seqlen,
         )
