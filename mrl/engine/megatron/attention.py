@@ -72,6 +72,12 @@ class _FlashVarlen(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+@functools.cache
+def _flash_supports(head_dim: int) -> bool:
+    # PyTorch's flash kernels: Ampere or newer, head sizes up to 256 in multiples of 8; otherwise per-document SDPA.
+    return torch.cuda.get_device_capability()[0] >= 8 and head_dim % 8 == 0 and head_dim <= 256
+
+
 def _last_dim_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -157,7 +163,8 @@ class SdpaAttention(MegatronModule):
 
     def _use_flash_varlen(self, query: Tensor) -> bool:
         dropout = self.dropout if self.training else 0.0
-        return FLASH_VARLEN and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0
+        half = query.dtype in (torch.float16, torch.bfloat16)
+        return FLASH_VARLEN and query.is_cuda and half and dropout == 0.0 and _flash_supports(query.shape[-1])
 
     def _forward_thd(self, query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, causal: bool) -> Tensor:
         bounds = cu_seqlens.tolist()
