@@ -150,7 +150,7 @@ class LLMServerManager:
         self._start(new, pool)
         with self._lock:
             for replica in new:
-                ray.get(self.balancer.add_server.remote(replica.server_id, replica.server))
+                self._call(self.balancer.add_server.remote(replica.server_id, replica.server))
                 self.replicas[replica.replica_rank] = replica
                 self._pools[replica.replica_rank] = pool
                 self.restarts[replica.replica_rank] = 0
@@ -161,7 +161,7 @@ class LLMServerManager:
         with self._lock:
             replica = self.replicas.pop(rank)
             self._pools.pop(rank, None)
-        orphans = ray.get(self.balancer.remove_server.remote(replica.server_id))
+        orphans = self._call(self.balancer.remove_server.remote(replica.server_id))
         replica.shutdown()
         return orphans
 
@@ -194,6 +194,8 @@ class LLMServerManager:
         with self._lock:
             replicas = dict(self.replicas)
         probes = {rank: replica.health() for rank, replica in replicas.items()}
+        if not probes:
+            return []
         timeout = self.policy.health_check_timeout_s
         ready, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=timeout)
         serving = set(self._call(self.balancer.servers.remote()))
@@ -284,8 +286,7 @@ class LLMServerManager:
         refs = {sid: getattr(h, method).remote(*args) for sid, h in handles.items()}
         if not refs:  # every replica is restarting; each re-syncs and copies the pool state before it serves
             return {}
-        timeout = self.policy.control_timeout_s
-        wait_within(refs, timeout, f"rollout {method} on replicas", "rollout.control_timeout_s")
+        wait_within(refs, self.policy.control_timeout_s, f"rollout {method} on replicas", "rollout.control_timeout_s")
         results, dead = {}, []
         for sid, ref in refs.items():
             try:
@@ -294,14 +295,14 @@ class LLMServerManager:
                 if not replica_failed(error):
                     raise
                 dead.append(sid)
-                ray.get(self.balancer.remove_server.remote(sid), timeout=timeout)
+                self._call(self.balancer.remove_server.remote(sid))
         if dead and not results:
             raise RuntimeError(f"rollout {method}: every replica failed ({dead}); the health monitor restarts them")
         return results
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         with self._lock:  # a replica re-joining copies the pool state under the same lock
-            handles = ray.get(self.balancer.handles.remote(), timeout=self.policy.control_timeout_s)
+            handles = self._call(self.balancer.handles.remote())
             return list(self._fan_out(method, handles, *args).values())
 
     def update_weights(
@@ -311,7 +312,7 @@ class LLMServerManager:
         them (the generic `disk`-like path; same-device `ipc` and cross-pool `nccl` transports live in weight_sync).
         The balancer keeps the refs (one copy of the weights in the object store) to re-sync restarted replicas."""
         refs = [ray.put(blob) for blob in pack_buckets(named_tensors, bucket_bytes)]
-        handles = ray.get(self.balancer.record_weights.remote(version, refs))
+        handles = self._call(self.balancer.record_weights.remote(version, refs))
         return list(self._fan_out("update_weights", handles, refs, version).values())
 
     def abort_all(self) -> list[int]:
@@ -349,7 +350,7 @@ class LLMServerManager:
         self._all("clear_kv_cache")
 
     def health(self) -> dict[str, dict[str, Any]]:
-        handles = ray.get(self.balancer.handles.remote(), timeout=self.policy.control_timeout_s)
+        handles = self._call(self.balancer.handles.remote())
         return self._fan_out("health", handles)
 
     def shutdown(self) -> None:
