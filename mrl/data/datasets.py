@@ -6,7 +6,8 @@ out as dicts {messages, data_source, ground_truth, extra_info, uid}.
 
 Malformed rows (no prompt, a prompt that is not text or a list of {role, content} text messages, non-dict
 `reward_model`/`extra_info`, a JSONL line that is not JSON) are counted, logged once with their reasons and
-skipped when the dataset is read, so they can never reach (and crash) a training step.
+skipped when the dataset is read, so they can never reach (and crash) a training step; so are prompts longer than
+data.max_prompt_length tokens after the chat template (`drop_long_prompts`, once the tokenizer is known).
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ def _check_row(row: Any, prompt_key: str) -> None:
     for key in ("reward_model", "extra_info"):
         if row.get(key) is not None and not isinstance(row[key], dict):
             raise MalformedRow(f"{key!r} must be an object, got {type(row[key]).__name__}")
+
+
+def templated_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The prompt's token ids as the rollout sees them: chat template with the generation prompt."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
 def normalize_row(row: dict[str, Any], index: int, prompt_key: str = "prompt") -> dict[str, Any]:
@@ -100,7 +107,7 @@ def write_rows(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
 class RLDataset:
     def __init__(self, rows: Sequence[Any], prompt_key: str = "prompt") -> None:
         self.rows: list[dict[str, Any]] = []
-        self.skipped: list[tuple[int, str]] = []  # (row index, reason) of every malformed row
+        self.skipped: list[tuple[Any, str]] = []  # (row index, or uid once read; reason) of every skipped row
         for i, row in enumerate(rows):
             try:
                 if isinstance(row, MalformedRow):
@@ -108,10 +115,34 @@ class RLDataset:
                 self.rows.append(normalize_row(row, i, prompt_key))
             except MalformedRow as err:
                 self.skipped.append((i, str(err)))
-        if self.skipped:
-            shown = "; ".join(f"row {i}: {why}" for i, why in self.skipped[:5])
-            logger.warning("skipped %d malformed dataset rows of %d (%s%s)", len(self.skipped), len(rows), shown,
-                           ", ..." if len(self.skipped) > 5 else "")
+        self._report(self.skipped, len(rows), "malformed")
+
+    @staticmethod
+    def _report(skipped: list[tuple[Any, str]], total: int, kind: str) -> None:
+        if skipped:
+            shown = "; ".join(f"row {i}: {why}" for i, why in skipped[:5])
+            logger.warning("skipped %d %s dataset rows of %d (%s%s)", len(skipped), kind, total, shown,
+                           ", ..." if len(skipped) > 5 else "")
+
+    def drop_long_prompts(self, tokenizer: Any, max_tokens: int) -> int:
+        """Skip (count, log) rows whose templated prompt exceeds `max_tokens` (data.max_prompt_length) or that
+        the chat template refuses: the rollout's context is sized for max_prompt_length + max_response_length,
+        so such a prompt would fail its request mid-step. Returns how many were dropped."""
+        kept, dropped = [], []
+        for row in self.rows:
+            try:
+                n = len(templated_prompt_ids(tokenizer, row["messages"]))
+                reason = f"{n} prompt tokens > data.max_prompt_length={max_tokens}" if n > max_tokens else ""
+            except Exception as err:  # a template error on one row must not stop the run
+                reason = f"chat template failed ({type(err).__name__}: {err})"
+            if reason:
+                dropped.append((row["uid"], reason))
+            else:
+                kept.append(row)
+        self._report(dropped, len(self.rows), "too long or untemplatable")
+        self.rows = kept
+        self.skipped += dropped
+        return len(dropped)
 
     @classmethod
     def from_files(cls, paths: Sequence[str], prompt_key: str = "prompt") -> RLDataset:

@@ -99,6 +99,9 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
         critic=critic,
     )
     parts.pool = pool  # type: ignore[attr-defined]
+    for data in (parts.train_data, parts.val_data):
+        if data is not None:  # a prompt past the rollout's context would fail its request mid-step
+            data.drop_long_prompts(parts.tokenizer, c.data.max_prompt_length)
     return PPOTrainer(c, parts, logger or RunLogger(c.trainer.default_local_dir,
                                                     dump_per_step=c.trainer.rollout_dump_per_step))
 

@@ -37,3 +37,20 @@ def test_a_broken_jsonl_line_is_skipped_not_fatal(tmp_path):
     data = RLDataset(read_rows(path))
     assert [r["messages"][0]["content"] for r in data.rows] == ["a", "c"]
     assert data.skipped[0][0] == 1 and "not JSON" in data.skipped[0][1]
+
+
+def test_prompts_longer_than_max_prompt_length_are_dropped_after_templating(caplog):
+    from mrl.data.datasets import templated_prompt_ids
+    from mrl.models.tiny import train_tiny_tokenizer
+
+    tokenizer = train_tiny_tokenizer()
+    data = RLDataset([{"prompt": "hi"}, {"prompt": "a long question " * 20}, {"prompt": "ok"},
+                      {"prompt": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}])
+    lengths = [len(templated_prompt_ids(tokenizer, r["messages"])) for r in data.rows]
+    limit = max(lengths[0], lengths[2], lengths[3])
+    assert lengths[1] > limit
+    with caplog.at_level(logging.WARNING, logger="mrl.data.datasets"):
+        assert data.drop_long_prompts(tokenizer, limit) == 1
+    assert [r["uid"] for r in data.rows] == ["0", "2", "3"]
+    assert data.skipped == [("1", f"{lengths[1]} prompt tokens > data.max_prompt_length={limit}")]
+    assert "skipped 1 too long or untemplatable dataset rows of 4" in caplog.text

@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from mrl.data.datasets import templated_prompt_ids
 from mrl.rollout.client import LLMServerClient
 
 logger = logging.getLogger(__name__)
@@ -50,8 +51,7 @@ class AgentLoop(ABC):
         self.max_response_length = max_response_length
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return templated_prompt_ids(self.tokenizer, messages)
 
     @abstractmethod
     async def run(self, session_id: str, sample: dict[str, Any], sampling: dict[str, Any]) -> Trajectory: ...
