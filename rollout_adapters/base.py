@@ -203,11 +203,19 @@ class RolloutAdapter(ABC):
 
     async def update_weights_from_buckets(self, buckets: Iterable[bytes] | AsyncIterator[bytes], version: int) -> int:
         """Same as update_weights, for a stream already packed into safetensors buckets (the wire format)."""
+        return await self._update(lambda: self._load_weights(_aiter(buckets)), version)
+
+    async def receive_weights(self, spec: dict[str, Any], rank: int, version: int) -> int:
+        """Same as update_weights, with the tensors arriving through a weight-sync transport (mrl/weight_sync):
+        this engine's workers join the sender's group as ranks `rank`, `rank` + 1, …"""
+        return await self._update(lambda: self._receive_weights(spec, rank), version)
+
+    async def _update(self, load: Any, version: int) -> int:
         self.sleep_state.require_awake("weights", "update weights")
         self.events.append(f"update_weights:{version}")
         try:
             await self._close_admission()
-            count = await self._load_weights(_aiter(buckets))
+            count = await load()
             await self.clear_kv_cache()
             self.version = int(version)
         finally:
@@ -276,6 +284,13 @@ class RolloutAdapter(ABC):
     @abstractmethod
     async def _load_weights(self, buckets: AsyncIterator[bytes]) -> int:
         """Load safetensors buckets of HF-named tensors in place; return the number of tensors loaded."""
+
+    async def _receive_weights(self, spec: dict[str, Any], rank: int) -> int:
+        """Join a weight-sync transport's group as `rank` (+ worker index) and load what arrives in place."""
+        raise NotImplementedError(
+            f"weight_sync.transport={spec['transport']}: the {self.backend!r} rollout backend has no weight-sync "
+            "receiver yet (vllm and hf have one)"
+        )
 
     async def _reopen(self) -> None:
         return None

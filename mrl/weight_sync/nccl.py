@@ -1,0 +1,156 @@
+"""`nccl`: weight sync to standalone replicas through a temporary process group (gloo on CPU).
+
+The group is trainer rank 0 plus every rollout worker, built from its own TCPStore with the c10d backend classes
+directly (`ProcessGroupNCCL` / `ProcessGroupGloo`), like vLLM's StatelessProcessGroup: it never touches the
+default group that Megatron (trainer) or vLLM (workers) already initialised, and it is destroyed in `finalize`.
+Buckets are broadcast from rank 0 with two buffers per side: the sender packs bucket k+1 while bucket k is in
+flight; a receiver posts the receive of bucket k+1 before it loads bucket k. Bucket metadata travels through the
+store; each receiver records its progress there, so a stalled broadcast names the ranks that fell behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mrl.weight_sync.base import WeightReceiver, WeightSender, sync_device, timeout_error
+from mrl.weight_sync.buckets import BucketReader, fill_buckets
+
+NUM_BUFFERS = 2
+
+
+def _device(spec_device: str | None = None) -> torch.device:
+    if spec_device == "cuda" or (spec_device is None and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def new_group(store: Any, prefix: str, rank: int, world_size: int, device: torch.device, timeout_s: float) -> Any:
+    """A process group that exists only for this sync: its own store prefix, no default-group registration."""
+    from torch.distributed import PrefixStore
+
+    store = PrefixStore(f"{prefix}/pg/", store)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        from torch.distributed.distributed_c10d import ProcessGroupNCCL
+
+        options = ProcessGroupNCCL.Options()
+        with contextlib.suppress(AttributeError):  # private field: absent in some torch versions
+            options._timeout = timeout
+        return ProcessGroupNCCL(store, rank, world_size, options)
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+    return ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+def destroy_group(group: Any) -> None:
+    """Release an NCCL communicator now (a gloo group just closes its sockets when dropped)."""
+    shutdown = getattr(group, "shutdown", None)
+    if group is not None and shutdown is not None and type(group).__name__ == "ProcessGroupNCCL":
+        with contextlib.suppress(Exception):
+            shutdown()
+
+
+def broadcast(group: Any, tensor: torch.Tensor) -> Any:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    return group.broadcast([tensor], options)
+
+
+class NcclSender(WeightSender):
+    transport = "nccl"
+
+    def __init__(self, *args: Any, device: str | torch.device | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.device = torch.device(device) if device is not None else _device()
+        self.group: Any = None
+        self.buffers: list[torch.Tensor] = []
+
+    def _prepare(self) -> dict[str, Any]:
+        self.buffers = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device)
+                        for _ in range(NUM_BUFFERS)]
+        return {"device": self.device.type}
+
+    def init_process_group(self) -> None:
+        super().init_process_group()
+        c = self.control
+        self.group = new_group(c.store, c.prefix, 0, self.world_size, self.device, self.timeout_s)
+
+    def _send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        c, works = self.control, [None] * NUM_BUFFERS
+
+        def before_reuse(k: int) -> None:
+            self._wait(works[k % NUM_BUFFERS], k - NUM_BUFFERS)
+
+        count = k = 0
+        for k, slot, entries, used in fill_buckets(named_tensors, self.buffers, before_reuse):
+            sync_device()
+            c.set({"entries": entries, "bytes": used}, "meta", k)
+            works[slot] = (broadcast(self.group, self.buffers[slot][:used]), k)
+            count += sum(start + nbytes == total for *_, nbytes, start, total in entries)
+            k += 1
+        c.set({"end": True}, "meta", k)
+        for work in works:
+            self._wait(work, None)
+        return count
+
+    def _wait(self, work: Any, bucket: int | None) -> None:
+        if work is None:
+            return
+        handle, k = work
+        try:
+            handle.wait()
+        except Exception as error:  # the backend's own timeout (or a peer that died): name who fell behind
+            c = self.control
+            behind = [r for r in range(1, self.world_size)
+                      if not c.store.check([c.key("received", k, r)])]
+            raise timeout_error(self.transport, f"broadcast of bucket {k}", behind, self.timeout_s) from error
+
+    def _finalize(self) -> None:
+        self.buffers = []
+        destroy_group(self.group)
+        self.group = None
+
+
+class NcclReceiver(WeightReceiver):
+    def __init__(self, spec: dict[str, Any], rank: int) -> None:
+        super().__init__(spec, rank)
+        self.device = _device(spec["device"])
+        self.group: Any = None
+        self.buffers = [torch.empty(spec["bucket_bytes"], dtype=torch.uint8, device=self.device)
+                        for _ in range(NUM_BUFFERS)]
+
+    def init_process_group(self) -> None:
+        super().init_process_group()
+        c = self.control
+        self.group = new_group(c.store, c.prefix, self.rank, self.spec["world_size"], self.device, c.timeout_s)
+
+    def _post(self, k: int) -> tuple[dict[str, Any], Any]:
+        meta = self.control.get(f"bucket {k} announced", "meta", k)
+        if meta.get("end"):
+            return meta, None
+        return meta, broadcast(self.group, self.buffers[k % NUM_BUFFERS][: meta["bytes"]])
+
+    def _receive(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        c, reader, k = self.control, BucketReader(), 0
+        meta, work = self._post(0)
+        while work is not None:
+            work.wait()
+            c.set(1, "received", k, self.rank)
+            following = self._post(k + 1)  # the next bucket arrives while this one is loaded
+            yield reader.read(self.buffers[k % NUM_BUFFERS], meta["entries"])
+            sync_device()
+            meta, work = following
+            k += 1
+        reader.check_complete()
+
+    def finalize(self) -> None:
+        self.buffers = []
+        destroy_group(self.group)
+        self.group = None
+        super().finalize()

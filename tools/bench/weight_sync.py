@@ -1,0 +1,258 @@
+"""Weight-sync benchmark (GPU machine; multiprocessing, no Ray or vLLM): the `ipc` and `nccl` transports against one
+device copy of the same bytes, measured in the same run.
+
+A Qwen2-7B-shaped model (bf16, random weights) is built by the Megatron engine's own path (bridge config →
+GPTModel chunks, local spec); its bridge export (the HF-named stream: convert) goes through a transport (pack)
+into a receiver process that holds the model in an inference layout (fused qkv and gate_up, as vLLM keeps them)
+and copies every tensor into place straight from the transport's buffers (load):
+  ipc:  receiver on the same GPU, CUDA IPC buffers; swept over bucket sizes;
+  nccl: receiver on GPU 1 (when there are two), a temporary NCCL group, bucketed broadcast; plus a raw broadcast
+        of the same bytes in the same bucket sizes as its own baseline.
+Reported: seconds, GB/s and rate ÷ the device-copy rate (goal ≥ 0.33: three copies' worth, convert + pack + load).
+On a CPU-only machine it runs a tiny shape (shared memory and gloo) to check the script.
+
+Usage: python tools/bench/weight_sync.py [--tiny] [--buckets-mb 64,256,1024] [--out result.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+QWEN2_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
+TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False)
+
+
+def _device(index: int = 0) -> torch.device:
+    return torch.device("cuda", index) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class InferenceModel:
+    """Qwen2 weights as vLLM keeps them: qkv_proj (+bias) and gate_up_proj fused; `load` places an HF tensor."""
+
+    def __init__(self, shape: dict[str, Any], device: torch.device, dtype: torch.dtype = torch.bfloat16) -> None:
+        h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+        hd = h // shape["num_attention_heads"]
+        q, kv = h, shape["num_key_value_heads"] * hd
+        self.params: dict[str, torch.Tensor] = {}
+        self.slots: dict[str, tuple[str, int]] = {}  # hf name -> (param, first row)
+
+        def add(name: str, *size: int) -> None:
+            self.params[name] = torch.empty(*size, dtype=dtype, device=device)
+
+        add("model.embed_tokens.weight", shape["vocab_size"], h)
+        add("lm_head.weight", shape["vocab_size"], h)
+        add("model.norm.weight", h)
+        for i in range(layers):
+            p = f"model.layers.{i}."
+            add(p + "self_attn.qkv_proj.weight", q + 2 * kv, h)
+            add(p + "self_attn.qkv_proj.bias", q + 2 * kv)
+            add(p + "self_attn.o_proj.weight", h, q)
+            add(p + "mlp.gate_up_proj.weight", 2 * inter, h)
+            add(p + "mlp.down_proj.weight", h, inter)
+            add(p + "input_layernorm.weight", h)
+            add(p + "post_attention_layernorm.weight", h)
+            for kind in ("weight", "bias"):
+                for part, start in (("q", 0), ("k", q), ("v", q + kv)):
+                    self.slots[f"{p}self_attn.{part}_proj.{kind}"] = (f"{p}self_attn.qkv_proj.{kind}", start)
+            self.slots[p + "mlp.gate_proj.weight"] = (p + "mlp.gate_up_proj.weight", 0)
+            self.slots[p + "mlp.up_proj.weight"] = (p + "mlp.gate_up_proj.weight", inter)
+        self.loaded = 0
+
+    def load(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in named:
+            target, start = self.slots.get(name, (name, None))
+            param = self.params[target]
+            dst = param if start is None else param.narrow(0, start, tensor.shape[0])
+            dst.copy_(tensor, non_blocking=True)
+            self.loaded += 1
+
+
+def build_megatron(shape: dict[str, Any], folder: str) -> tuple[Any, list[torch.nn.Module]]:
+    """The Megatron engine's construction path without reading weights (random init on the device)."""
+    from transformers import AutoConfig, Qwen2Config
+
+    from bridges.registry import bridge_for
+    from mrl.engine.megatron.engine import build_chunks
+    from mrl.engine.megatron.model import runtime_config
+    from mrl.engine.megatron.parallel import ParallelLayout, init_distributed, initialize_model_parallel
+
+    Qwen2Config(**shape, max_position_embeddings=4096, torch_dtype="bfloat16").save_pretrained(folder)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29531")
+    init_distributed(0, 1)
+    initialize_model_parallel(ParallelLayout(), seed=0)
+    bridge = bridge_for(AutoConfig.from_pretrained(folder))
+    config = bridge.transformer_config(**runtime_config(ParallelLayout(), params_dtype=torch.bfloat16))
+    chunks = build_chunks(config, bridge.model_kwargs())
+    return bridge, chunks
+
+
+def receiver_main(shape: dict[str, Any], device_index: int, inbox: Any, outbox: Any) -> None:
+    """Holds the inference-layout model; runs one receiver per spec until told to stop."""
+    from mrl.weight_sync import receive_into
+    from mrl.weight_sync.base import Control
+    from mrl.weight_sync.nccl import broadcast, new_group
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device_index)
+    model = InferenceModel(shape, _device(device_index))
+    while (job := inbox.get()) is not None:
+        kind, spec = job
+        if kind == "raw":  # the raw-broadcast baseline: same group construction, no packing or loading
+            c = Control(spec, 1)
+            c.join()
+            group = new_group(c.store, c.prefix, 1, 2, _device(device_index), c.timeout_s)
+            buf = torch.empty(spec["bucket_bytes"], dtype=torch.uint8, device=_device(device_index))
+            for n in spec["sizes"][:1] + spec["sizes"]:  # the sender's warm-up, then the timed ones
+                broadcast(group, buf[:n]).wait()
+            _sync()
+            c.set(1, "done", 1)
+            outbox.put(0)
+            continue
+        model.loaded = 0
+        count = receive_into(spec, 1, model.load)
+        _sync()
+        outbox.put((count, float(model.params["model.embed_tokens.weight"].float().sum())))
+
+
+def time_copy(nbytes: int, device: torch.device, reps: int = 5) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 1):
+        _sync()
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync()
+        times.append(time.perf_counter() - start)
+    del src, dst
+    return statistics.median(times[1:])
+
+
+def time_sync(transport: str, bridge: Any, chunks: Any, bucket: int, inbox: Any, outbox: Any) -> dict[str, Any]:
+    from mrl.weight_sync import make_sender
+
+    sender = make_sender(transport, 2, bucket, 600.0, device=_device(0))
+    spec = sender.prepare()
+    inbox.put(("sync", spec))
+    sender.init_process_group()
+    _sync()
+    start = time.perf_counter()
+    sent = sender.send_weights(bridge.export(chunks))
+    sender.finalize()  # waits for the receiver's last acknowledgement
+    seconds = time.perf_counter() - start
+    count, checksum = outbox.get(timeout=600)
+    return {"seconds": seconds, "tensors": sent, "received": count, "embed_sum": checksum}
+
+
+def time_raw_broadcast(nbytes: int, bucket: int, inbox: Any, outbox: Any) -> float:
+    from mrl.weight_sync.base import Control
+    from mrl.weight_sync.nccl import broadcast, new_group
+
+    c = Control.host("nccl", 2, 600.0)
+    sizes = [min(bucket, nbytes - i) for i in range(0, nbytes, bucket)]
+    inbox.put(("raw", {**c.spec, "bucket_bytes": bucket, "sizes": sizes}))
+    c.join()
+    group = new_group(c.store, c.prefix, 0, 2, _device(0), 600.0)
+    buf = torch.empty(bucket, dtype=torch.uint8, device=_device(0))
+    broadcast(group, buf[: sizes[0]]).wait()  # warm-up: the communicator is created lazily
+    _sync()
+    start = time.perf_counter()
+    for n in sizes:
+        broadcast(group, buf[:n]).wait()
+    _sync()
+    c.wait("raw done", {1: c.key("done", 1)})
+    seconds = time.perf_counter() - start
+    outbox.get(timeout=600)
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tiny", action="store_true", help="tiny shape (default on a CPU-only machine)")
+    parser.add_argument("--buckets-mb", default="64,256,512,1024,2048")
+    parser.add_argument("--nccl-buckets-mb", default="512,2048")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    shape = TINY if args.tiny or not cuda else QWEN2_7B
+    buckets = [int(float(x) * 2**20) for x in args.buckets_mb.split(",")]
+    if not cuda:
+        buckets = [max(b // 1024, 4096) for b in buckets]  # tiny model: KiB-sized buckets still split tensors
+    folder = tempfile.mkdtemp(prefix="mrl_ws_bench_")
+    bridge, chunks = build_megatron(shape, folder)
+    total = sum(t.numel() * t.element_size() for _, t in bridge.export(chunks))
+    expected_sum = float(chunks[0].embedding.word_embeddings.weight.detach().float().sum())
+    _sync()
+    start = time.perf_counter()
+    for _ in bridge.export(chunks):  # convert only: the export's own copies (e.g. splitting fused qkv)
+        pass
+    _sync()
+    export_s = time.perf_counter() - start
+    copy_s = time_copy(total, _device(0))
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "shape": shape,
+                              "bytes": total, "copy_s": copy_s, "copy_gb_s": total / copy_s / 1e9,
+                              "export_only_s": export_s, "rows": []}
+    ctx = mp.get_context("spawn")
+    peers = [(0, "ipc", buckets)]
+    if not cuda or torch.cuda.device_count() > 1:
+        nccl_buckets = [int(float(x) * 2**20) for x in args.nccl_buckets_mb.split(",")]
+        peers.append((1 if cuda else 0, "nccl", nccl_buckets if cuda else buckets[:2]))
+    for device_index, transport, sizes in peers:
+        inbox, outbox = ctx.Queue(), ctx.Queue()
+        proc = ctx.Process(target=receiver_main, args=(shape, device_index, inbox, outbox))
+        proc.start()
+        try:
+            for bucket in sizes:
+                runs = [time_sync(transport, bridge, chunks, bucket, inbox, outbox) for _ in range(args.repeats)]
+                best = min(runs, key=lambda r: r["seconds"])
+                row = {"transport": transport, "receiver_device": device_index, "bucket_mb": bucket / 2**20,
+                       **best, "gb_s": total / best["seconds"] / 1e9, "ratio_vs_copy": copy_s / best["seconds"],
+                       "all_seconds": [r["seconds"] for r in runs],
+                       "checksum_ok": abs(best["embed_sum"] - expected_sum) <= 1e-3 * max(1.0, abs(expected_sum))}
+                if transport == "nccl":
+                    raw = time_raw_broadcast(total, bucket, inbox, outbox)
+                    row.update(raw_broadcast_s=raw, ratio_vs_raw_broadcast=raw / best["seconds"])
+                result["rows"].append(row)
+                print(json.dumps(row), flush=True)
+        finally:
+            inbox.put(None)
+            proc.join(timeout=120)
+    print_table(result)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def print_table(result: dict[str, Any]) -> None:
+    gb = result["bytes"] / 1e9
+    print(f"\n{result['device']}: {gb:.2f} GB of weights; one device copy {result['copy_s'] * 1e3:.1f} ms "
+          f"({result['copy_gb_s']:.0f} GB/s); export alone {result['export_only_s'] * 1e3:.1f} ms")
+    print("| transport | receiver | bucket MB | seconds | GB/s | ÷ copy rate | ÷ raw broadcast | tensors | checksum |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in result["rows"]:
+        raw = f"{r['ratio_vs_raw_broadcast']:.2f}" if "ratio_vs_raw_broadcast" in r else ""
+        print(f"| {r['transport']} | dev {r['receiver_device']} | {r['bucket_mb']:g} | {r['seconds']:.4f} | "
+              f"{r['gb_s']:.1f} | {r['ratio_vs_copy']:.3f} | {raw} | {r['received']}/{r['tensors']} | "
+              f"{'ok' if r['checksum_ok'] else 'MISMATCH'} |")
+
+
+if __name__ == "__main__":
+    main()
