@@ -52,7 +52,10 @@ class BaseEngine(ABC):
 
     @abstractmethod
     def optimizer_step(self) -> dict[str, float]:
-        """Clip, update, advance the LR schedule and zero the gradients; returns `grad_norm`, `lr`, `update_ok`."""
+        """Clip, update, advance the LR schedule and zero the gradients; returns `grad_norm`, `lr`, `update_ok`.
+
+        If any gradient of any rank is NaN/Inf, no rank updates (weights, optimizer state and LR schedule stay as
+        they were), the gradients are still zeroed, and `update_ok` is False."""
 
     @abstractmethod
     def infer(self, batch: Any, *, entropy: bool = False) -> dict[str, Tensor]:
@@ -68,11 +71,13 @@ class BaseEngine(ABC):
 
     @abstractmethod
     def save_checkpoint(self, path: str) -> None:
-        """Save model, optimizer and scheduler state so that another layout can load it."""
+        """Save model, optimizer and scheduler state (and this rank's RNG states) so that another layout can load
+        it; valid before the first optimizer step too."""
 
     @abstractmethod
     def load_checkpoint(self, path: str) -> None:
-        """Load a checkpoint written by `save_checkpoint`, possibly under another parallel layout."""
+        """Load a checkpoint written by `save_checkpoint`, possibly under another parallel layout; idempotent (the
+        LR schedule is set to the saved step, never advanced from where this engine stood)."""
 
     @abstractmethod
     def mesh(self, name: str = "train") -> Any:
