@@ -2,7 +2,8 @@
 (SIGSTOP) in the middle. The calls it dropped are retried on the survivor or the replacement, every session
 completes exactly once (full length, each session id once, exact group counts in the replay buffer), the
 manager's health monitor replaces the failed replica on its slots, and the replacement serves only after it was
-re-synced to the newest weights, including weights pushed while it was down from a worker's copy of the manager."""
+re-synced to the newest weights, including weights pushed while it was down from a worker's copy of the manager,
+and put in the pool's sleep and pause state. A control call to a hung replica fails naming it and the knob."""
 
 from __future__ import annotations
 
@@ -149,3 +150,21 @@ def test_a_control_call_to_a_hung_replica_fails_naming_replica_and_knob(pool):
         manager.policy = policy
         manager.start_monitor()
     assert len(manager.health()) == 2  # resumed, it answers again
+
+
+def test_a_replacement_takes_the_pools_sleep_and_pause_state_before_it_serves(pool):
+    manager, _ = pool
+    version = ray.get(manager.balancer.latest_weights.remote())[0]
+    manager.sleep(2)
+    manager.wake_up(["weights"])  # mid weight sync of a hybrid step: weights awake, KV cache still released
+    manager.abort_all()
+    victim = max(manager.replicas)
+    restarts = manager.restarts[victim]
+    os.kill(ray.get(manager.replicas[victim].health())["pid"], signal.SIGKILL)
+    wait_until(lambda: manager.restarts[victim] == restarts + 1, what="the replacement")
+    wait_until(lambda: len(ray.get(manager.balancer.servers.remote())) == 2, what="the replacement to serve")
+    states = {(h["version"], tuple(h["asleep"]), h["paused"]) for h in manager.health().values()}
+    assert states == {(version, ("kv_cache",), True)}
+    manager.wake_up(["kv_cache"])
+    manager.resume_generation()
+    assert {(tuple(h["asleep"]), h["paused"]) for h in manager.health().values()} == {((), False)}
