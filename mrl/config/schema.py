@@ -42,7 +42,7 @@ class DataConfig:
     max_response_length: int = 512
     # Prompts per step (B). Each prompt is sampled rollout.n times.
     train_batch_size: int = 8
-    # Reserved: validation currently runs the whole val split in one batch.
+    # Prompts per validation generation call (None: the whole val split at once).
     val_batch_size: int | None = None
     # Shuffle the training prompts every epoch.
     shuffle: bool = True
@@ -63,7 +63,8 @@ class ModelConfig:
     tokenizer_path: str | None = None
     # `mrl` is our own bridge layer; `megatron_bridge` uses NVIDIA Megatron-Bridge where it is installed.
     bridge_backend: str = "mrl"
-    # Reserved: custom HF modelling code is not loaded yet (bridges map known architectures only).
+    # Must stay false: custom HF modelling code is never loaded (bridges map known architectures only), so true is
+    # refused at start-up.
     trust_remote_code: bool = False
 
 
@@ -206,7 +207,8 @@ class RolloutConfig:
     recompute_old_log_prob: bool = True
     # Run the inference engine without CUDA graphs.
     enforce_eager: bool = True
-    # Reserved: hybrid replicas always release the KV cache during training.
+    # Hybrid replicas sleep during training (weights and KV cache released, both restored by the weight sync);
+    # False keeps the engine resident on the devices and updates its weights in place.
     free_cache_engine: bool = True
     # Agent loops (mrl/rollout/agent_loop): single_turn | tool; CPU Ray actors running the sessions.
     agent_loop: str = "single_turn"
@@ -253,7 +255,8 @@ class AlgorithmConfig:
     lam: float = 1.0
     # Divide GRPO advantages by the group std (False: Dr.GRPO).
     norm_adv_by_std_in_grpo: bool = True
-    # KL penalty in the reward: not wired into the trainer yet, so True is refused at start-up.
+    # KL penalty in the reward (starts the reference policy): each model token's reward is the score (on the last
+    # model token) minus kl_coef × KL(π_old ‖ π_ref) at that token, with kl_coef set by the KL controller.
     use_kl_in_reward: bool = False
     # KL estimator of the reward penalty (with use_kl_in_reward).
     kl_penalty: str = "kl"
@@ -305,9 +308,10 @@ class WeightSyncConfig:
 class TrainerConfig:
     # sync | colocate_async | separate_async (DESIGN.md glossary).
     mode: str = "sync"
-    # Training steps (each: one rollout batch and train_batch_size / ppo_mini_batch_size updates).
-    total_training_steps: int = 10
-    # Reserved: the run length is total_training_steps.
+    # Training steps (each: one rollout batch and train_batch_size / ppo_mini_batch_size updates); None: the run
+    # length is total_epochs passes over the training prompts (total_epochs × prompts // train_batch_size steps).
+    total_training_steps: int | None = 10
+    # Passes over the training prompts, used when total_training_steps is None.
     total_epochs: int = 1
     # Seed of the run (sampling seeds, initialisation).
     seed: int = 1
@@ -327,8 +331,13 @@ class TrainerConfig:
     # disable | auto | a checkpoint folder: auto resumes from the latest complete global_step_N under
     # default_local_dir (a fresh start when there is none); a folder resumes from that checkpoint.
     resume_mode: str = "auto"
-    # Loggers: console and jsonl.
+    # Loggers: console (a progress line per step), jsonl (<default_local_dir>/metrics.jsonl, read by mrl report),
+    # tensorboard (<default_local_dir>/tensorboard), wandb (<default_local_dir>/wandb; project_name and
+    # experiment_name; WANDB_MODE=offline writes locally only).
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    # Peak FLOP/s of one device in TFLOP/s, for the MFU metrics; None: by device name (dense bf16 peaks: H100/H200
+    # 989, A100 312, ...; mrl/trainer/metrics.py), 1.0 on CPU (nominal: set it for a meaningful CPU MFU).
+    peak_tflops_per_device: float | None = None
     # Validation: greedy accuracy on data.val_files, plus pass@k with k temperature samples when val_pass_k > 0.
     val_pass_k: int = 0
     # Trajectories per step written to <default_local_dir>/rollouts.jsonl (0: no dump).

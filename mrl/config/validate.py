@@ -211,12 +211,31 @@ def _trainer_roles(cfg: DictConfig, _: bool) -> Iterator[Violation]:
                         f"{trainer_world_size(cfg)} device slots")
 
 
+KL_CONTROLLERS = ("fixed", "adaptive")
+
+
 @rule
-def _not_wired_yet(cfg: DictConfig, _: bool) -> Iterator[Violation]:
-    # Refuse settings the trainer would silently ignore, rather than let a run go without them.
-    if _get(cfg, "algorithm.use_kl_in_reward"):
-        yield Violation("algorithm.use_kl_in_reward", True,
-                        "a KL penalty in the reward is not applied by the trainer yet; use actor.use_kl_loss=true")
+def _loggers_and_rewards_kl(cfg: DictConfig, _: bool) -> Iterator[Violation]:
+    from mrl.algo.kl import KL_ESTIMATORS
+    from mrl.trainer.loggers import LOGGERS
+
+    for name in _get(cfg, "trainer.logger"):
+        if name not in LOGGERS:
+            yield Violation("trainer.logger", list(_get(cfg, "trainer.logger")),
+                            f"unknown logger {name!r}; each must be one of {', '.join(LOGGERS)}")
+    yield from _at_least(cfg, "trainer.total_epochs", 1)
+    yield from _at_least(cfg, "data.val_batch_size", 1)
+    peak = _get(cfg, "trainer.peak_tflops_per_device")
+    if peak is not None and peak <= 0:
+        yield Violation("trainer.peak_tflops_per_device", peak, "must be > 0 (or null: by device name)")
+    if not _get(cfg, "algorithm.use_kl_in_reward"):
+        return
+    yield from _one_of(cfg, "algorithm.kl_ctrl_type", KL_CONTROLLERS)
+    yield from _one_of(cfg, "algorithm.kl_penalty", KL_ESTIMATORS)
+    if _get(cfg, "algorithm.kl_ctrl_type") == "adaptive":
+        for path in ("algorithm.kl_target", "algorithm.kl_horizon"):
+            if _get(cfg, path) <= 0:
+                yield Violation(path, _get(cfg, path), "the adaptive KL controller needs it > 0")
 
 
 # ---- names that select code, and value ranges --------------------------------------------------------------------
@@ -252,7 +271,7 @@ def _engine_knobs(cfg: DictConfig, _: bool) -> Iterator[Violation]:
         if _get(cfg, f"{m}.sequence_parallel") and _get(cfg, f"{m}.tensor_model_parallel_size") == 1:
             yield Violation(f"{m}.sequence_parallel", True, "sequence parallel splits activations over TP ranks: "
                                                             "it needs tensor_model_parallel_size > 1")
-    if _get(cfg, "actor.use_kl_loss"):
+    if _get(cfg, "actor.use_kl_loss") or _get(cfg, "algorithm.use_kl_in_reward"):
         # The reference engine lives in the actor's processes, and Megatron's parallel state is per process.
         for key in (*PARALLEL_SIZES, "virtual_pipeline_model_parallel_size", "expert_tensor_parallel_size"):
             ref, actor = _get(cfg, f"ref.megatron.{key}"), _get(cfg, f"actor.megatron.{key}")

@@ -1,4 +1,5 @@
-"""`mrl report RUN_DIR`: render a run's curves to one PNG (reward, response length, timing breakdown, mismatch).
+"""`mrl report RUN_DIR`: render a run's curves to one PNG (reward, response length, timing breakdown, mismatch,
+throughput and MFU, peak memory per phase).
 
 Input: `RUN_DIR/metrics.jsonl` (or a .jsonl path), as the trainer's `RunLogger` (mrl/trainer/metrics.py) writes it:
 one JSON object per line with `step` and flat metric keys. The keys drawn:
@@ -7,9 +8,12 @@ one JSON object per line with `step` and flat metric keys. The keys drawn:
 | --- | --- |
 | reward | `reward/mean`; validation keys `val/*` (e.g. `val/greedy_acc`, `val/pass@4`) dashed, on their own steps |
 | response length | `response_length/mean` (and `response_length/max`, `response_length/min` when present) |
-| time per step | every `timing_s/<stage>` but `timing_s/step`, stacked per step; `timing_s/step` as the total line |
+| time per step | every `timing_s/<stage>` but `timing_s/step`, stacked; `timing_s/step` as the total line |
 | rollout vs training | `rollout/logprob_mismatch` (mean exp(abs(Δ log p)), DESIGN.md's bf16 bound 1.05 drawn) |
+| throughput | `perf/tokens_per_s_per_gpu`; `perf/mfu` on the right axis |
+| peak memory | every `memory/<kind>_gib/<phase>` (CUDA peak allocated or CPU peak RSS per worker phase) |
 
+`reward` is timed inside `gen` (the trainer scores while it samples), so the stacked gen bar leaves it out.
 A record without a key is skipped for that key (validation-only records carry no reward, for example); a panel
 with no data says which key it looked for. Needs matplotlib (`pip install matplotlib`).
 """
@@ -26,6 +30,9 @@ from typing import Any
 
 MISMATCH_BOUND = 1.05  # DESIGN.md: logprob_mismatch stays <= 1.05 in bf16
 REWARD, LENGTH, MISMATCH, STEP_TIME = "reward/mean", "response_length/mean", "rollout/logprob_mismatch", "timing_s/step"
+THROUGHPUT, MFU = "perf/tokens_per_s_per_gpu", "perf/mfu"
+# Stages timed inside another stage (the trainer scores rewards while it samples): their parent's bar excludes them.
+NESTED_STAGES = {"timing_s/reward": "timing_s/gen"}
 
 
 def metrics_file(run: str | Path) -> Path:
@@ -91,8 +98,9 @@ def _timing(ax: Any, records: list[dict[str, Any]]) -> bool:
         return False
     steps = [r.get("step", i) for i, r in enumerate(rows)]
     bottom = [0.0] * len(rows)
+    children = {parent: [c for c, p in NESTED_STAGES.items() if p == parent] for parent in NESTED_STAGES.values()}
     for key in stages:
-        heights = [float(r.get(key, 0.0)) for r in rows]
+        heights = [float(r.get(key, 0.0)) - sum(float(r.get(c, 0.0)) for c in children.get(key, [])) for r in rows]
         ax.bar(steps, heights, bottom=bottom, label=key.removeprefix("timing_s/"), width=0.8)
         bottom = [b + h for b, h in zip(bottom, heights)]
     total_steps, totals = series(rows, STEP_TIME)
@@ -112,18 +120,38 @@ def _mismatch(ax: Any, records: list[dict[str, Any]]) -> bool:
     return True
 
 
+def _throughput(ax: Any, records: list[dict[str, Any]]) -> bool:
+    steps, values = series(records, THROUGHPUT)
+    mfu_steps, mfu = series(records, MFU)
+    if not steps and not mfu_steps:
+        return False
+    if steps:
+        ax.plot(steps, values, label=THROUGHPUT)
+        ax.set_ylabel("tokens/s per device")
+        ax.legend(fontsize=8, loc="upper left")
+    if mfu_steps:
+        right = ax.twinx()
+        right.plot(mfu_steps, [100 * v for v in mfu], color="tab:orange", linestyle="--", label=MFU)
+        right.set_ylabel("MFU (%)")
+        right.legend(fontsize=8, loc="upper right")
+    return True
+
+
 def render(records: list[dict[str, Any]], out: str | Path, *, title: str = "", dpi: int = 120) -> list[str]:
     """Write the PNG; return the keys of the panels that had no data."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no display backend
 
-    fig = Figure(figsize=(12, 8), dpi=dpi, layout="constrained")
-    axes = fig.subplots(2, 2)
+    fig = Figure(figsize=(12, 11), dpi=dpi, layout="constrained")
+    axes = fig.subplots(3, 2)
     panels = [
         (axes[0][0], "reward", REWARD, lambda ax: _reward(ax, records)),
         (axes[0][1], "response length (tokens)", LENGTH,
          lambda ax: _lines(ax, records, [LENGTH, "response_length/max", "response_length/min"])),
         (axes[1][0], "time per step (s)", "timing_s/*", lambda ax: _timing(ax, records)),
         (axes[1][1], "log-prob mismatch, rollout vs training", MISMATCH, lambda ax: _mismatch(ax, records)),
+        (axes[2][0], "throughput", THROUGHPUT, lambda ax: _throughput(ax, records)),
+        (axes[2][1], "peak memory per phase (GiB)", "memory/*",
+         lambda ax: _lines(ax, records, _keys(records, "memory/"))),
     ]
     missing = []
     for ax, label, key, draw in panels:

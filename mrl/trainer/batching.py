@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from mrl.algo.advantages import ADV_ESTIMATORS, AdvantageConfig
+from mrl.algo.kl import KLController, apply_kl_penalty
 from mrl.algo.rollout_correction import mismatch_metrics
 from mrl.data.batch import Batch
 from mrl.data.jagged import JaggedTensor
@@ -66,17 +67,34 @@ def scalar_advantages(batch: Batch, estimator: str, config: AdvantageConfig) -> 
     return out.advantages[:, 0]
 
 
-def token_advantages_and_returns(batch: Batch, estimator: str, config: AdvantageConfig) -> dict[str, JaggedTensor]:
-    """Token-level estimators (GAE) on the padded full-sequence layout: prompt positions are masked, and the
-    estimators treat masked tokens as absent. The score sits on each sample's last model token."""
+def token_advantages_and_returns(
+    batch: Batch, estimator: str, config: AdvantageConfig, rewards: torch.Tensor | None = None
+) -> dict[str, JaggedTensor]:
+    """Any estimator on the padded full-sequence layout (GAE needs it; the others come here with token-level
+    rewards): prompt positions are masked, and the estimators treat masked tokens as absent. Without `rewards`,
+    the score sits on each sample's last model token."""
     mask, lengths = batch.as_padded("response_mask")
-    values, _ = batch.as_padded("values")
-    rewards = place_on_last_token(batch["score"].float(), mask)
+    values = batch.as_padded("values")[0] if "values" in batch else None
+    if rewards is None:
+        rewards = place_on_last_token(batch["score"].float(), mask)
     out = ADV_ESTIMATORS.get(estimator)(rewards, mask, index=list(batch["uid"]), values=values, config=config)
     return {
         "advantages": JaggedTensor.from_padded(out.advantages, lengths),
         "returns": JaggedTensor.from_padded(out.returns, lengths),
     }
+
+
+def kl_penalized_rewards(batch: Batch, kl_ctrl: KLController, kl_type: str) -> tuple[torch.Tensor, dict[str, float]]:
+    """[n, L] token rewards on the padded layout: the score on the last model token, minus β·kl_t on every model
+    token, with kl_t the `kl_type` estimate of KL(π_old ‖ π_ref) and β the controller's value, which this call
+    then updates from the measured KL. Metrics: the measured KL and the β applied."""
+    mask, _ = batch.as_padded("response_mask")
+    old, _ = batch.as_padded("old_log_probs")
+    ref, _ = batch.as_padded("ref_log_prob")
+    scores = place_on_last_token(batch["score"].float(), mask)
+    out = apply_kl_penalty(scores, old, ref, mask, kl_ctrl, kl_type)
+    return out.token_level_rewards, {"actor/reward_kl_penalty": out.metrics["actor/reward_kl_penalty"],
+                                     "actor/reward_kl_coef": out.metrics["actor/reward_kl_penalty_coeff"]}
 
 
 def response_tokens(batch: Batch) -> int:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -49,10 +50,39 @@ def rollout_spec(c: MrlConfig) -> ReplicaSpec:
     )
 
 
+def resolve_run_length(c: MrlConfig, train_data: RLDataset) -> int:
+    """trainer.total_training_steps, or when it is None, total_epochs full passes over the training prompts
+    (`RLDataset.batches` keeps a remainder smaller than a batch for the next epoch)."""
+    if c.trainer.total_training_steps is not None:
+        return c.trainer.total_training_steps
+    per_epoch = len(train_data) // c.data.train_batch_size
+    if per_epoch < 1:
+        raise ValueError(f"trainer.total_training_steps=None: data.train_batch_size={c.data.train_batch_size} is "
+                         f"larger than the {len(train_data)} training prompts, so an epoch has no step")
+    return c.trainer.total_epochs * per_epoch
+
+
+def make_run_logger(c: MrlConfig) -> RunLogger:
+    t = c.trainer
+    return RunLogger(t.default_local_dir, list(t.logger), dump_per_step=t.rollout_dump_per_step,
+                     total_steps=t.total_training_steps, project=t.project_name, experiment=t.experiment_name,
+                     config=OmegaConf.to_container(OmegaConf.structured(c)))  # type: ignore[arg-type]
+
+
 def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) -> PPOTrainer:
     from transformers import AutoTokenizer
 
     c = typed(cfg)
+    tokenizer_path = c.model.tokenizer_path or c.model.path
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    train_data = RLDataset.from_files(c.data.train_files, c.data.prompt_key)
+    val_data = RLDataset.from_files(c.data.val_files, c.data.prompt_key) if c.data.val_files else None
+    for data in (train_data, val_data):
+        if data is not None:  # a prompt past the rollout's context would fail its request mid-step
+            data.drop_long_prompts(tokenizer, c.data.max_prompt_length)
+    # Before any worker gets the config: the engines size their LR schedules by the run length (prompts counted
+    # after the drop).
+    c = replace(c, trainer=replace(c.trainer, total_training_steps=resolve_run_length(c, train_data)))
     hybrid = c.rollout.mode == "hybrid"
     use_gpu = torch.cuda.is_available() if c.trainer.device == "auto" else c.trainer.device == "cuda"
     pool = RayResourcePool(
@@ -62,8 +92,9 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
         max_colocate_count=max(c.resources.max_colocate_count, 1 + hybrid + c.critic.enable),
         name_prefix=f"mrl_{c.trainer.experiment_name}",
     )
+    with_ref = c.actor.use_kl_loss or c.algorithm.use_kl_in_reward
     actor_rollout = RayWorkerGroup(
-        pool, RayClassWithInitArgs(ActorRolloutRefWorker, c, with_ref=c.actor.use_kl_loss), name_prefix="actor_rollout",
+        pool, RayClassWithInitArgs(ActorRolloutRefWorker, c, with_ref=with_ref), name_prefix="actor_rollout",
         call_timeout_s=c.trainer.dispatch_timeout_s,
     )
     engines_ready = [actor_rollout.init_model()]  # non-blocking: Megatron builds while the replicas start
@@ -83,7 +114,6 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
     for ready in engines_ready:
         ready.get()
     actor_rollout.set_rollout(rollout)
-    tokenizer_path = c.model.tokenizer_path or c.model.path
     parts = TrainerParts(
         actor_rollout=actor_rollout,
         rollout=rollout,
@@ -91,24 +121,21 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
             c.rollout.agent_loop_workers, tokenizer_path, rollout.balancer, c.rollout.agent_loop,
             c.data.max_response_length, list(c.rollout.tools), c.rollout.max_turns, policy,
         ),
-        tokenizer=AutoTokenizer.from_pretrained(tokenizer_path),
-        train_data=RLDataset.from_files(c.data.train_files, c.data.prompt_key),
-        val_data=RLDataset.from_files(c.data.val_files, c.data.prompt_key) if c.data.val_files else None,
+        tokenizer=tokenizer,
+        train_data=train_data,
+        val_data=val_data,
         reward=RewardEvaluator(None if c.reward.reward_fn == "auto" else c.reward.reward_fn,
                                max_workers=c.reward.num_workers, timeout_s=c.reward.timeout_s),
         critic=critic,
     )
     parts.pool = pool  # type: ignore[attr-defined]
-    for data in (parts.train_data, parts.val_data):
-        if data is not None:  # a prompt past the rollout's context would fail its request mid-step
-            data.drop_long_prompts(parts.tokenizer, c.data.max_prompt_length)
-    return PPOTrainer(c, parts, logger or RunLogger(c.trainer.default_local_dir,
-                                                    dump_per_step=c.trainer.rollout_dump_per_step))
+    return PPOTrainer(c, parts, logger or make_run_logger(c))
 
 
 def shutdown(trainer: PPOTrainer) -> None:
     """Stop everything `build_trainer` started (agent loops, replicas, workers, pool)."""
     p: Any = trainer.parts
+    trainer.logger.close()
     p.reward.close()
     p.agent_loops.shutdown()
     p.rollout.shutdown()

@@ -17,13 +17,14 @@ from typing import Any
 import torch
 
 from mrl.algo.advantages import AdvantageConfig
+from mrl.algo.kl import KLControlConfig, KLController, make_kl_controller
 from mrl.config.schema import MrlConfig
 from mrl.data.batch import Batch
 from mrl.data.datasets import RLDataset
 from mrl.data.replay_buffer import ReplayBuffer, pad_with_noops
 from mrl.reward.evaluator import RewardEvaluator, RewardItem
 from mrl.trainer import batching, checkpointing
-from mrl.trainer.metrics import RunLogger, StageTimer
+from mrl.trainer.metrics import ModelFlops, RunLogger, StageTimer, perf_metrics, staleness_metrics
 from mrl.utils.rng import rng_state, set_rng_state
 
 
@@ -71,6 +72,11 @@ class PPOTrainer:
         )
         self.timer = StageTimer()
         self.updates_all_skipped = False  # the last step's actor updates were all skipped (non-finite)
+        self.flops = ModelFlops.from_model_path(config.model.path)
+        a = config.algorithm
+        self.kl_ctrl: KLController | None = make_kl_controller(KLControlConfig(
+            a.kl_ctrl_type, a.kl_coef, a.kl_target, a.kl_horizon)) if a.use_kl_in_reward else None
+        self.kl_metrics: dict[str, float] = {}
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def fit(self) -> list[dict[str, Any]]:
@@ -126,7 +132,7 @@ class PPOTrainer:
                 metrics.update(self.validate())
         metrics.update(t.metrics())
         metrics["timing_s/step"] = time.perf_counter() - step_start
-        metrics["perf/tokens_per_s"] = int(batch.jagged_field("input_ids").values.numel()) / metrics["timing_s/step"]
+        metrics.update(self.perf_metrics(batch, metrics))
         self.on_step_end(metrics)
         return metrics
 
@@ -137,12 +143,12 @@ class PPOTrainer:
     def on_sample_end(self) -> None:
         # Sync mode stays on-policy: surplus groups from dynamic-sampling refills are not kept for the next step.
         self.buffer.clear()
-        if self.config.rollout.mode == "hybrid":
+        if self.sleeps_rollout:
             self.parts.rollout.sleep(level=2)  # the trainer gets the devices; weights come back with the sync
             self.parts.actor_rollout.onload()
 
     def sync_weights(self) -> None:
-        hybrid = self.config.rollout.mode == "hybrid"
+        hybrid = self.sleeps_rollout
         if self.updates_all_skipped and not hybrid:
             return  # the actor did not change: replicas keep the last good weights and their version
         if hybrid:
@@ -206,8 +212,13 @@ class PPOTrainer:
         """Outcome estimators give one scalar per sample (`advantage`); GAE needs the critic's per-token values
         and gives per-token `advantages` and `returns`."""
         estimator = self.config.algorithm.adv_estimator
-        if estimator in TOKEN_LEVEL_ESTIMATORS:
-            for key, value in batching.token_advantages_and_returns(batch, estimator, self.adv_config).items():
+        rewards = None
+        if self.kl_ctrl is not None:  # token-level rewards: score − β·KL(π_old ‖ π_ref); β then updated
+            rewards, self.kl_metrics = batching.kl_penalized_rewards(batch, self.kl_ctrl,
+                                                                     self.config.algorithm.kl_penalty)
+        if estimator in TOKEN_LEVEL_ESTIMATORS or rewards is not None:
+            for key, value in batching.token_advantages_and_returns(batch, estimator, self.adv_config,
+                                                                    rewards).items():
                 batch[key] = value
         else:
             batch["advantage"] = batching.scalar_advantages(batch, estimator, self.adv_config)
@@ -223,7 +234,7 @@ class PPOTrainer:
             self.parts.critic.save_checkpoint(f"{staging}/critic")
         checkpointing.save_trainer_state(staging, {
             "global_steps": self.global_steps, "dataloader": self.prompts.state_dict(), "buffer": self.buffer,
-            "rng": rng_state(),
+            "rng": rng_state(), "kl_ctrl": self.kl_ctrl,
         })
         final = checkpointing.step_dir(root, self.global_steps)
         checkpointing.commit(staging, final)
@@ -238,6 +249,8 @@ class PPOTrainer:
         self.prompts.load_state_dict(state["dataloader"])
         self.buffer = state["buffer"]
         set_rng_state(state["rng"])
+        if self.kl_ctrl is not None and state.get("kl_ctrl") is not None:  # the adaptive β carries on
+            self.kl_ctrl = state["kl_ctrl"]
 
     def resume(self) -> str | None:
         """Per `trainer.resume_mode`: load the checkpoint and push its weights to the rollout replicas, which
@@ -246,7 +259,7 @@ class PPOTrainer:
         if path is None:
             return None
         self.load_checkpoint(path)
-        if self.config.rollout.mode == "hybrid":  # as after a step: the trainer holds the devices, rollout sleeps
+        if self.sleeps_rollout:  # as after a step: the trainer holds the devices, rollout sleeps
             self.parts.rollout.sleep(level=2)
             self.parts.actor_rollout.onload()
         self.sync_weights()
@@ -258,21 +271,36 @@ class PPOTrainer:
         c, val = self.config, self.parts.val_data
         assert val is not None
         prompts = list(val.rows)
-        greedy = self.parts.agent_loops.generate(prompts, 1, {**self.sampling(train=False), "temperature": 0.0})
-        self.score(greedy, prompts)
+        size = c.data.val_batch_size or len(prompts)
+        greedy = self.generate_scored(prompts, 1, {**self.sampling(train=False), "temperature": 0.0}, size)
         metrics = {"val/greedy_acc": sum(t["score"] > 0 for t in greedy) / len(greedy)}
         k = c.trainer.val_pass_k
         if k > 0:
-            sampled = self.parts.agent_loops.generate(prompts, k, self.sampling(train=False))
-            self.score(sampled, prompts)
+            sampled = self.generate_scored(prompts, k, self.sampling(train=False), size)
             hits = [any(t["score"] > 0 for t in sampled[i * k : (i + 1) * k]) for i in range(len(prompts))]
             metrics[f"val/pass@{k}"] = sum(hits) / len(prompts)
         return metrics
 
+    def generate_scored(self, prompts: list[dict[str, Any]], n: int, sampling: dict[str, Any],
+                        batch_size: int) -> list[dict[str, Any]]:
+        """n scored trajectories per prompt (consecutive), generated `batch_size` prompts at a time."""
+        out: list[dict[str, Any]] = []
+        for i in range(0, len(prompts), batch_size):
+            chunk = prompts[i : i + batch_size]
+            trajectories = self.parts.agent_loops.generate(chunk, n, sampling)
+            self.score(trajectories, chunk)
+            out += trajectories
+        return out
+
     # ---- helpers ------------------------------------------------------------------------------------------------
     @property
+    def sleeps_rollout(self) -> bool:
+        """Hybrid replicas sleep while the trainer has the devices, unless rollout.free_cache_engine is off."""
+        return self.config.rollout.mode == "hybrid" and self.config.rollout.free_cache_engine
+
+    @property
     def use_reference(self) -> bool:
-        return self.config.actor.use_kl_loss
+        return self.config.actor.use_kl_loss or self.config.algorithm.use_kl_in_reward
 
     @property
     def num_updates(self) -> int:
@@ -299,7 +327,7 @@ class PPOTrainer:
 
     def actor_inputs(self, batch: Batch) -> Batch:
         keys = ["input_ids", "response_mask", "old_log_probs", "advantages" if "advantages" in batch else "advantage"]
-        return batch.select(keys + (["ref_log_prob"] if "ref_log_prob" in batch else []))
+        return batch.select(keys + (["ref_log_prob"] if self.config.actor.use_kl_loss else []))
 
     @staticmethod
     def critic_inputs(batch: Batch) -> Batch:
@@ -317,9 +345,32 @@ class PPOTrainer:
             "perf/gen_tokens_per_s": gen_tokens / max(self.timer.seconds.get("gen", 0.0), 1e-9),
         }
         metrics.update(mean_over_updates(actor_out, prefix="actor"))
+        metrics.update(self.kl_metrics)
         metrics.update(batching.logprob_mismatch(batch))
+        # global_steps already counts this step's update: the policy that sampled and trained is one version back.
+        metrics.update(staleness_metrics(real, self.global_steps - 1))
         self.logger.dump_rollouts(self.global_steps, [
             {"prompt": t["messages"], "response": t["response_text"], "reward": t["score"],
              "ground_truth": t["ground_truth"], "version": t["max_version"]} for t in real
         ])
         return metrics
+
+    def perf_metrics(self, batch: Batch, metrics: dict[str, Any]) -> dict[str, float]:
+        """Throughput, MFU and the workers' peak memory per phase of the step whose `timing_s/*` are in `metrics`."""
+        seconds = {k.removeprefix("timing_s/"): v for k, v in metrics.items() if k.startswith("timing_s/")}
+        memory = self.parts.actor_rollout.memory_stats()
+        if self.parts.critic is not None:
+            memory += self.parts.critic.memory_stats()
+        return perf_metrics(batch.jagged_field("input_ids").lengths().tolist(), seconds, memory, self.flops,
+                            self.config.trainer.peak_tflops_per_device, trainer_devices=self.trainer_devices,
+                            run_devices=self.num_devices, actor_epochs=self.config.actor.ppo_epochs)
+
+    @property
+    def trainer_devices(self) -> int:
+        return self.config.resources.nnodes * self.config.resources.n_gpus_per_node
+
+    @property
+    def num_devices(self) -> int:
+        """Devices of the run: the trainer's pool, plus a standalone rollout pool's."""
+        r = self.config.rollout
+        return self.trainer_devices + (r.nnodes * r.n_gpus_per_node if r.mode == "standalone" else 0)

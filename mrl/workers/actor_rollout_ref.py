@@ -22,6 +22,7 @@ from mrl.config.schema import ActorConfig, MrlConfig
 from mrl.controller import Dispatch, Worker, nd_compute, register
 from mrl.data.batch import Batch
 from mrl.data.jagged import JaggedTensor
+from mrl.utils.phase_memory import phase_memory, tracks_memory
 from mrl.workers.training_worker import TrainingWorker, jagged_from_flat, to_engine_batch
 
 ACTOR_MESH = "actor"
@@ -114,11 +115,13 @@ class ActorRolloutRefWorker(Worker):
         self.rollout = rollout
 
     @register(nd_compute(ACTOR_MESH), pad=True)
+    @tracks_memory("old_log_prob")
     def compute_log_prob(self, batch: Batch, entropy: bool = False) -> Batch:
         """`old_log_probs` (and `entropy`) of every token under the current actor."""
         return self._infer(self.actor, batch, {"log_probs": "old_log_probs", "entropy": "entropy"}, entropy)
 
     @register(nd_compute(ACTOR_MESH), pad=True)
+    @tracks_memory("ref")
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         if self.ref is None:
             raise RuntimeError("compute_ref_log_prob: this worker was built without a reference policy")
@@ -131,6 +134,7 @@ class ActorRolloutRefWorker(Worker):
         return Batch.from_dict({names[k]: jagged_from_flat(v, like) for k, v in outputs.items()})
 
     @register(nd_compute(ACTOR_MESH))
+    @tracks_memory("update_actor")
     def update_actor(self, batch: Batch, num_updates: int) -> dict[str, Any]:
         """`num_updates` optimizer updates over this DP rank's share (× ppo_epochs); their metrics and count."""
         assert self.actor is not None, "init_model first"
@@ -145,6 +149,7 @@ class ActorRolloutRefWorker(Worker):
         return {"updates": self.actor.updates - before, "steps": steps}
 
     @register(Dispatch.ONE_TO_ALL)
+    @tracks_memory("update_weights")
     def update_weights(self, global_steps: int) -> int:
         """Stream the actor's HF-named weights to every rollout replica, stamped with `global_steps`, through the
         transport `weight_sync.transport` (mrl/weight_sync).
@@ -163,6 +168,11 @@ class ActorRolloutRefWorker(Worker):
         for _ in stream:
             pass
         return 0
+
+    @register(Dispatch.ONE_TO_ALL)
+    def memory_stats(self) -> dict[str, Any]:
+        """Peak memory of each tracked phase since the last call (mrl/utils/phase_memory.py)."""
+        return phase_memory(self).take()
 
     @register(Dispatch.ONE_TO_ALL)
     def offload(self) -> None:

@@ -20,6 +20,7 @@ from mrl.controller import Dispatch, Worker, nd_compute, register
 from mrl.data.batch import Batch
 from mrl.engine.megatron.engine import MegatronEngine
 from mrl.engine.megatron.packing import PackedMicroBatch, shift_to_tokens
+from mrl.utils.phase_memory import phase_memory, tracks_memory
 from mrl.workers.training_worker import TrainingWorker, jagged_from_flat, to_engine_batch
 
 CRITIC_MESH = "critic"
@@ -92,18 +93,24 @@ class CriticWorker(Worker):
         self.register_mesh(CRITIC_MESH, engine.mesh())
 
     @register(nd_compute(CRITIC_MESH), pad=True)
+    @tracks_memory("values")
     def compute_values(self, batch: Batch) -> Batch:
         assert self.critic is not None, "init_model first"
         out = self.critic.infer_batch(to_engine_batch(batch, ["input_ids"]))
         return Batch.from_dict({"values": jagged_from_flat(out["values"], batch.jagged_field("input_ids"))})
 
     @register(nd_compute(CRITIC_MESH))
+    @tracks_memory("update_critic")
     def update_critic(self, batch: Batch, num_updates: int) -> dict[str, Any]:
         assert self.critic is not None, "init_model first"
         keys = ["input_ids", "response_mask", "values", "returns"]
         before = self.critic.updates
         steps = self.critic.train_batch(to_engine_batch(batch, keys), self.loss_fn, num_updates)
         return {"updates": self.critic.updates - before, "steps": steps}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def memory_stats(self) -> dict[str, Any]:
+        return phase_memory(self).take()
 
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:

@@ -128,7 +128,17 @@ INVALID = [
     (["trainer.resume_mode=/no/such/global_step_3"], "trainer.resume_mode", "complete checkpoint folder"),
     (["reward.timeout_s=0"], "reward.timeout_s", "> 0 seconds"),
     (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator", "critic.enable=true"),
-    (["algorithm.use_kl_in_reward=true"], "algorithm.use_kl_in_reward", "not applied by the trainer yet"),
+    (["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl_type=pid"], "algorithm.kl_ctrl_type", "must be one of"),
+    (["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=k9"], "algorithm.kl_penalty", "must be one of"),
+    (["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl_type=adaptive", "algorithm.kl_target=0"],
+     "algorithm.kl_target", "adaptive KL controller needs it > 0"),
+    (["algorithm.use_kl_in_reward=true", "resources.n_gpus_per_node=2", "actor.megatron.tensor_model_parallel_size=2"],
+     "ref.megatron.tensor_model_parallel_size", "shares the actor's processes"),
+    # loggers and run length
+    (["trainer.logger=[console,mlflow]"], "trainer.logger", "unknown logger 'mlflow'"),
+    (["trainer.total_epochs=0"], "trainer.total_epochs", ">= 1"),
+    (["data.val_batch_size=0"], "data.val_batch_size", ">= 1"),
+    (["trainer.peak_tflops_per_device=0"], "trainer.peak_tflops_per_device", "must be > 0"),
 ]
 
 
@@ -185,3 +195,10 @@ def test_missing_model_folder_is_reported(tmp_path):
 def test_unknown_recipe_lists_known_ones():
     with pytest.raises(FileNotFoundError, match=r"tiny/grpo"):
         load_config("tiny/nope")
+
+
+def test_kl_in_reward_with_an_adaptive_controller_is_accepted():
+    cfg = load_config("tiny/grpo", [*VALID, "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl_type=adaptive",
+                                    "algorithm.kl_penalty=low_var_kl", "trainer.logger=[console,tensorboard,wandb]"],
+                      check_paths=False)
+    assert cfg.algorithm.use_kl_in_reward and list(cfg.trainer.logger) == ["console", "tensorboard", "wandb"]

@@ -8,12 +8,12 @@ import numpy as np
 from PIL import Image
 
 from mrl.cli import main
-from mrl.tools.report import load_records, render, series
+from mrl.tools.report import THROUGHPUT, load_records, render, series
 from mrl.trainer.metrics import RunLogger
 
 
 def _write_run(run_dir, steps=20, reward_slope=0.04):
-    logger = RunLogger(run_dir, console=False)
+    logger = RunLogger(run_dir, ["jsonl"])
     logger.log(0, {"val/greedy_acc": 0.1})  # validation before training: no reward, no timing
     for step in range(1, steps + 1):
         gen, old, update, sync = 2.0 + 0.1 * step, 0.5, 1.5, 0.2
@@ -22,7 +22,9 @@ def _write_run(run_dir, steps=20, reward_slope=0.04):
             "response_length/mean": 40.0 + step,
             "timing_s/gen": gen, "timing_s/old_log_prob": old, "timing_s/update_actor": update,
             "timing_s/update_weights": sync, "timing_s/step": gen + old + update + sync + 0.05,
-            "rollout/logprob_mismatch": 1.0 + 1e-4 * math.sin(step),
+            "rollout/logprob_mismatch": 1.0 + 1e-4 * math.sin(step), "timing_s/reward": 0.1,
+            "perf/tokens_per_s_per_gpu": 300.0 + step, "perf/mfu": 0.01 * step,
+            "memory/rss_peak_gib/update_actor": 1.5, "memory/rss_peak_gib/old_log_prob": 1.2,
             **({"val/greedy_acc": 0.1 + 0.02 * step} if step % 5 == 0 else {}),
         })
     return run_dir / "metrics.jsonl"
@@ -35,7 +37,7 @@ def test_report_writes_a_valid_png_of_nontrivial_size(tmp_path):
     with Image.open(png) as img:
         img.verify()
     with Image.open(png) as img:
-        assert img.format == "PNG" and img.width >= 1000 and img.height >= 700
+        assert img.format == "PNG" and img.width >= 1000 and img.height >= 1000
         pixels = np.asarray(img.convert("L"), dtype=np.float32)
     assert png.stat().st_size > 30_000
     assert pixels.std() > 10  # curves, bars and text, not a blank canvas
@@ -59,7 +61,7 @@ def test_series_skips_records_without_the_key_and_keeps_steps():
 
 def test_missing_panels_are_named_not_fatal(tmp_path):
     missing = render([{"step": 1, "reward/mean": 0.3}], tmp_path / "r.png")
-    assert missing == ["response_length/mean", "timing_s/*", "rollout/logprob_mismatch"]
+    assert missing == ["response_length/mean", "timing_s/*", "rollout/logprob_mismatch", THROUGHPUT, "memory/*"]
     assert (tmp_path / "r.png").stat().st_size > 10_000
 
 
