@@ -13,31 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
+from mrl.config.schema import RolloutConfig
 from mrl.rollout.load_balancer import NoServerError
 from rollout_adapters.base import TokenOutput
 
-
-@dataclass(frozen=True)
-class FaultPolicy:
-    """How the rollout side rides over failed and hung replicas; each field is the `rollout.*` knob of its name
-    (documented in mrl/config/schema.py)."""
-
-    max_request_retries: int = 3
-    request_retry_wait_s: float = 300.0
-    health_check_interval_s: float = 5.0
-    health_check_timeout_s: float = 60.0
-    max_replica_restarts: int = 3
-    control_timeout_s: float = 600.0
-    generate_timeout_s: float = 3600.0
-
-    @classmethod
-    def from_config(cls, rollout: Any) -> FaultPolicy:
-        return cls(**{f.name: getattr(rollout, f.name) for f in fields(cls)})
+# The retry, health-check and time-limit knobs are fields of the rollout config section (documented there), so a
+# policy is that section: `FaultPolicy(max_request_retries=1)` is a RolloutConfig with every other field default.
+FaultPolicy = RolloutConfig
 
 
 class ReplicaFailureError(RuntimeError):

@@ -14,7 +14,6 @@ from mrl.controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from mrl.data.datasets import RLDataset
 from mrl.reward.evaluator import RewardEvaluator
 from mrl.rollout.agent_loop import AgentLoopManager
-from mrl.rollout.client import FaultPolicy
 from mrl.rollout.manager import LLMServerManager
 from mrl.rollout.replica import Footprint, ReplicaSpec
 from mrl.trainer.metrics import RunLogger
@@ -104,7 +103,7 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
                                 call_timeout_s=c.trainer.dispatch_timeout_s)
         engines_ready.append(critic.init_model())
     spec = rollout_spec(c)
-    policy = FaultPolicy.from_config(c.rollout)
+    policy = c.rollout  # its retry, health-check and time-limit knobs
     slots = c.rollout.num_replicas * spec.footprint.devices or None
     if hybrid:
         rollout = LLMServerManager.create(spec, "hybrid", pool=pool, num_devices=slots, policy=policy)

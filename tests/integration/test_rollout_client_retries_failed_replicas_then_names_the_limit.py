@@ -60,10 +60,11 @@ def test_exhausted_retries_name_the_knob(ray_cluster):
 def test_an_empty_pool_is_waited_for_then_named(ray_cluster):
     balancer, _ = pool()
     client = LLMServerClient(balancer, FaultPolicy(request_retry_wait_s=1.0))
+    assert ray.get(balancer.servers.remote()) == []  # the actor is up: its start is not part of the wait
     start = time.monotonic()
     with pytest.raises(NoServerError, match=r"rollout.request_retry_wait_s=1 s"):
         asyncio.run(client.generate("r", [5], {}))
-    assert 1.0 <= time.monotonic() - start < 10
+    assert 1.0 <= time.monotonic() - start < 30  # 1 s plus the polls' round trips on a loaded machine
 
 
 def test_a_bad_request_is_not_retried(ray_cluster):

@@ -1,18 +1,14 @@
 """The load balancer's part in replica failure, without Ray: a weight push records its version and gets exactly the
 servers registered at that moment; a re-synced server registers only at the newest recorded version (so a push it
 missed makes it re-sync first); an empty pool raises the error clients wait on; releases of a removed and
-re-registered server never drive its count negative. The client's policy mirrors the `rollout.*` knobs and tells
-a failed replica from a bad request."""
+re-registered server never drive its count negative. The client tells a failed replica from a bad request."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
-from mrl.config.schema import RolloutConfig
-from mrl.rollout.client import FaultPolicy, replica_failed
+from mrl.rollout.client import replica_failed
 from mrl.rollout.load_balancer import LoadBalancer, NoServerError
 
 
@@ -41,14 +37,6 @@ def test_empty_pool_raises_what_clients_wait_on_and_late_releases_floor_at_zero(
     lb.add_server("a")
     lb.release_ids(["a", "a"])  # the call that started before the removal ends now
     assert lb.in_flight() == {"a": 0}
-
-
-def test_policy_mirrors_the_rollout_knobs():
-    defaults = RolloutConfig()
-    policy = FaultPolicy.from_config(defaults)
-    for f in dataclasses.fields(FaultPolicy):
-        assert getattr(FaultPolicy(), f.name) == getattr(defaults, f.name), f.name
-    assert policy == FaultPolicy()
 
 
 def test_replica_failures_are_told_from_bad_requests():
