@@ -119,7 +119,7 @@ class ConsoleLogger:
             filled = round(done * self.BAR_WIDTH)
             text.append(f"step {step}/{self.total} ", style="bold")
             text.append("━" * filled, style="green")
-            text.append("━" * (self.BAR_WIDTH - filled), style="grey37")
+            text.append("─" * (self.BAR_WIDTH - filled), style="grey37")  # distinct without colour (log files)
         else:
             text.append(f"step {step}", style="bold")
         parts = [f"{label} {fmt.format(metrics[key])}" for key, label, fmt in self.FIELDS if key in metrics]

@@ -148,13 +148,13 @@ class PPOTrainer:
             self.parts.actor_rollout.onload()
 
     def sync_weights(self) -> None:
-        hybrid = self.sleeps_rollout
-        if self.updates_all_skipped and not hybrid:
+        asleep = self.sleeps_rollout
+        if self.updates_all_skipped and not asleep:
             return  # the actor did not change: replicas keep the last good weights and their version
-        if hybrid:
+        if asleep:
             self.parts.rollout.wake_up(["weights"])
         self.parts.actor_rollout.update_weights(self.global_steps)
-        if hybrid:  # the export needed the actor's weights on the device; now the rollout gets the memory back
+        if asleep:  # the export needed the actor's weights on the device; now the rollout gets the memory back
             self.parts.actor_rollout.offload()
             self.parts.rollout.wake_up(["kv_cache"])
 
