@@ -288,7 +288,9 @@ class WeightSyncConfig:
     bucket_size_mb: int = 512
     # separate_async: the rollout pool receives weights every parameter_sync_step optimizer updates.
     parameter_sync_step: int = 1
-    # Reserved for separate_async: samples older than this many versions are dropped.
+    # colocate_async / separate_async: at most this many weight versions between the oldest token of a sample and
+    # the actor that trains on it. The rollout producer starts no group that would exceed it (0: generation waits
+    # for every sync) and the replay buffer drops groups that still do (metrics: staleness/*).
     staleness_threshold: int = 1
     # Deadline of every wait of one weight sync (rendezvous, each bucket, each replica's load); when it expires the
     # error names the stage and the ranks that did not answer.

@@ -152,30 +152,10 @@ def _megatron_layout(cfg: DictConfig, _: bool) -> Iterator[Violation]:
 
 @rule
 def _modes(cfg: DictConfig, _: bool) -> Iterator[Violation]:
-    mode, replica = _get(cfg, "trainer.mode"), _get(cfg, "rollout.mode")
-    transport = _get(cfg, "weight_sync.transport")
-    if mode in ("sync", "colocate_async") and replica == "standalone":
-        yield Violation("rollout.mode", replica,
-                        f"trainer.mode={mode} alternates phases on shared devices; a standalone rollout pool needs "
-                        "trainer.mode=separate_async")
-    if replica == "standalone" and transport == "ipc":
+    replica, transport = _get(cfg, "rollout.mode"), _get(cfg, "weight_sync.transport")
+    if replica == "standalone" and transport == "ipc" and _get(cfg, "trainer.mode") != "separate_async":
         yield Violation("weight_sync.transport", transport,
                         "a standalone rollout pool is on other devices: use nccl or disk, not ipc")
-    if mode != "separate_async":
-        return
-    if replica != "standalone":
-        yield Violation("rollout.mode", replica, "trainer.mode=separate_async needs rollout.mode=standalone")
-    for path in ("rollout.nnodes", "rollout.n_gpus_per_node"):
-        if _get(cfg, path) < 1:
-            yield Violation(path, _get(cfg, path),
-                            "trainer.mode=separate_async needs a rollout pool with device slots "
-                            "(rollout.nnodes > 0 and rollout.n_gpus_per_node > 0)")
-    batch, mini = _get(cfg, "data.train_batch_size"), _get(cfg, "actor.ppo_mini_batch_size")
-    sync_step = _get(cfg, "weight_sync.parameter_sync_step")
-    if batch != sync_step * mini:
-        yield Violation("weight_sync.parameter_sync_step", sync_step,
-                        f"trainer.mode=separate_async needs data.train_batch_size ({batch}) == "
-                        f"parameter_sync_step × actor.ppo_mini_batch_size ({sync_step} × {mini})")
 
 
 @rule
@@ -439,3 +419,48 @@ def _server_host(cfg: DictConfig, _: bool) -> Iterator[Violation]:
         yield Violation("rollout.server_host", host,
                         "not a loopback address: the engines' weight-update endpoints take pickled tensors; keep "
                         "127.0.0.1 or set rollout.allow_remote_access=true (trusted networks only)")
+
+
+# ---- async trainer modes (trainer.mode=colocate_async / separate_async; mrl/trainer/modes.py) ----------------------
+# There is no reward-model role in the schema yet (rewards are rule functions on CPU), so "a reward model runs on
+# its own pool" has nothing to check; add the rule with the role.
+CROSS_POOL_TRANSPORTS = ("nccl", "disk")
+
+
+@rule
+def _async_modes(cfg: DictConfig, _: bool) -> Iterator[Violation]:
+    mode, replica = _get(cfg, "trainer.mode"), _get(cfg, "rollout.mode")
+    if mode in ("sync", "colocate_async") and replica == "standalone":
+        yield Violation("rollout.mode", replica,
+                        f"trainer.mode={mode} alternates phases on shared devices; a standalone rollout pool needs "
+                        "trainer.mode=separate_async")
+    if mode == "colocate_async" and replica == "colocated":
+        yield Violation("rollout.mode", replica,
+                        "trainer.mode=colocate_async sleeps and wakes the policy's replicas around each update: "
+                        "it needs rollout.mode=hybrid")
+    if mode in ("colocate_async", "separate_async"):
+        yield from _at_least(cfg, "weight_sync.staleness_threshold", 0)
+    if mode == "separate_async":
+        yield from _separate_async(cfg)
+
+
+def _separate_async(cfg: DictConfig) -> Iterator[Violation]:
+    replica, transport = _get(cfg, "rollout.mode"), _get(cfg, "weight_sync.transport")
+    if replica != "standalone":
+        yield Violation("rollout.mode", replica, "trainer.mode=separate_async needs rollout.mode=standalone")
+    for path in ("rollout.nnodes", "rollout.n_gpus_per_node"):
+        if _get(cfg, path) < 1:
+            yield Violation(path, _get(cfg, path),
+                            "trainer.mode=separate_async needs a rollout pool with device slots "
+                            "(rollout.nnodes > 0 and rollout.n_gpus_per_node > 0; CPU bundles on a CPU machine)")
+    if transport not in CROSS_POOL_TRANSPORTS:
+        yield Violation("weight_sync.transport", transport,
+                        "trainer.mode=separate_async syncs weights across pools: use nccl or disk, not ipc "
+                        "(same-device handles)")
+    batch, mini = _get(cfg, "data.train_batch_size"), _get(cfg, "actor.ppo_mini_batch_size")
+    sync_step = _get(cfg, "weight_sync.parameter_sync_step")
+    if batch != sync_step * mini:
+        yield Violation("weight_sync.parameter_sync_step", sync_step,
+                        f"trainer.mode=separate_async needs data.train_batch_size ({batch}) == "
+                        f"parameter_sync_step × actor.ppo_mini_batch_size ({sync_step} × {mini}), so that "
+                        "each step's updates end with one weight sync")

@@ -3,7 +3,12 @@
 Groups enter whole and leave whole, so GRPO's group statistics are never computed on a partial group. With
 `filter_equal_rewards`, a group whose rewards are all equal is evicted on arrival (its advantages would be 0: no
 gradient, only cost); the trainer asks for more prompts until `num_groups` are ready or its refill budget is
-spent. `staleness` uses the weight versions recorded on the trajectories.
+spent.
+
+Staleness (async trainer modes): a trajectory's staleness is the trainer's weight version minus the oldest version
+that produced one of its tokens (`min_version`; partial rollouts span versions). With `staleness_threshold` set,
+`sample(..., current_version=v)` first drops every group holding a sample staler than the threshold: training on
+it would push the policy with data from weights too far behind (counted in `dropped_stale`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ class ReplayBuffer:
     groups: deque[Group] = field(default_factory=deque)
     evicted: int = 0
     added: int = 0
+    # Groups whose staleness exceeds this many versions are dropped on `sample` (None: never).
+    staleness_threshold: int | None = None
+    dropped_stale: int = 0
 
     def add(self, trajectories: list[dict[str, Any]], n: int) -> int:
         """Add trajectories laid out as consecutive groups of `n` (one uid each); returns the groups kept."""
@@ -42,9 +50,11 @@ class ReplayBuffer:
     def ready(self, num_groups: int) -> bool:
         return len(self.groups) >= num_groups
 
-    def sample(self, num_groups: int) -> list[dict[str, Any]]:
+    def sample(self, num_groups: int, current_version: int | None = None) -> list[dict[str, Any]]:
         """Take the `num_groups` oldest groups (FIFO: the freshest policy data stays for later steps only when
-        more arrived than a step uses), flattened."""
+        more arrived than a step uses), flattened. With `current_version`, stale groups are dropped first."""
+        if current_version is not None:
+            self.drop_stale(current_version)
         if not self.ready(num_groups):
             raise ValueError(f"the buffer holds {len(self.groups)} groups, {num_groups} requested")
         return [t for _ in range(num_groups) for t in self.groups.popleft()]
@@ -61,6 +71,31 @@ class ReplayBuffer:
 
     def staleness(self, current_version: int) -> list[int]:
         return [current_version - t["min_version"] for g in self.groups for t in g]
+
+    def drop_stale(self, current_version: int) -> int:
+        """Drop the groups holding a sample more than `staleness_threshold` versions behind; returns how many."""
+        if self.staleness_threshold is None:
+            return 0
+        limit = current_version - self.staleness_threshold
+        fresh = deque(g for g in self.groups if min(t["min_version"] for t in g) >= limit)
+        dropped = len(self.groups) - len(fresh)
+        self.groups = fresh
+        self.dropped_stale += dropped
+        return dropped
+
+
+def staleness_metrics(trajectories: list[dict[str, Any]], current_version: int) -> dict[str, float]:
+    """Distribution of the staleness (current version - min_version) of the samples a step trains on."""
+    real = [t for t in trajectories if not t.get("is_noop")]
+    if not real:
+        return {}
+    ages = [current_version - t["min_version"] for t in real]
+    return {
+        "staleness/mean": sum(ages) / len(ages),
+        "staleness/max": float(max(ages)),
+        # Partial rollouts: samples whose tokens came from more than one weight version.
+        "staleness/spanning_frac": sum(t["min_version"] < t["max_version"] for t in real) / len(real),
+    }
 
 
 def noop_like(trajectory: dict[str, Any], uid: str) -> dict[str, Any]:

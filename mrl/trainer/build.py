@@ -17,6 +17,7 @@ from mrl.rollout.agent_loop import AgentLoopManager
 from mrl.rollout.manager import LLMServerManager
 from mrl.rollout.replica import Footprint, ReplicaSpec
 from mrl.trainer.metrics import RunLogger
+from mrl.trainer.modes import trainer_class
 from mrl.trainer.ppo_trainer import PPOTrainer, TrainerParts
 from mrl.workers.actor_rollout_ref import ActorRolloutRefWorker
 from mrl.workers.critic import CriticWorker
@@ -119,6 +120,7 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
         agent_loops=AgentLoopManager(
             c.rollout.agent_loop_workers, tokenizer_path, rollout.balancer, c.rollout.agent_loop,
             c.data.max_response_length, list(c.rollout.tools), c.rollout.max_turns, policy,
+            fully_async=c.trainer.mode != "sync",
         ),
         tokenizer=tokenizer,
         train_data=train_data,
@@ -128,12 +130,13 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
         critic=critic,
     )
     parts.pool = pool  # type: ignore[attr-defined]
-    return PPOTrainer(c, parts, logger or make_run_logger(c))
+    return trainer_class(c.trainer.mode)(c, parts, logger or make_run_logger(c))
 
 
 def shutdown(trainer: PPOTrainer) -> None:
     """Stop everything `build_trainer` started (agent loops, replicas, workers, pool)."""
     p: Any = trainer.parts
+    trainer.close()  # before the agent loops go: an async producer still waits on them
     trainer.logger.close()
     p.reward.close()
     p.agent_loops.shutdown()

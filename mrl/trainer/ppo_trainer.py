@@ -161,6 +161,10 @@ class PPOTrainer:
     def on_step_end(self, metrics: dict[str, Any]) -> None:
         return None
 
+    def close(self) -> None:
+        """Stop what the mode runs beside the workers (async modes: the rollout producer); `shutdown` calls it."""
+        return None
+
     # ---- stages -----------------------------------------------------------------------------------------------
     def sample(self) -> list[dict[str, Any]]:
         """Complete prompt groups for one step. With dynamic sampling, groups with all-equal rewards are evicted

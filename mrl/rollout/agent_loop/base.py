@@ -36,8 +36,10 @@ class Trajectory:
         self.response_mask += [1 if model else 0] * len(ids)
         self.rollout_log_probs += list(log_probs) if model and log_probs is not None else [0.0] * len(ids)
 
-    def record_version(self, version: int) -> None:
-        self.min_version = version if self.min_version < 0 else min(self.min_version, version)
+    def record_version(self, version: int, min_version: int | None = None) -> None:
+        """`min_version`: the oldest version of a turn that spans a weight sync (partial rollout), else `version`."""
+        oldest = version if min_version is None else min_version
+        self.min_version = oldest if self.min_version < 0 else min(self.min_version, oldest)
         self.max_version = max(self.max_version, version)
 
 
@@ -64,7 +66,7 @@ class SingleTurnAgentLoop(AgentLoop):
             session_id, traj.prompt_ids, {**sampling, "max_tokens": self.max_response_length}
         )
         traj.extend(out.token_ids, out.log_probs, model=True)
-        traj.record_version(out.version)
+        traj.record_version(out.version, getattr(out, "min_version", None))
         traj.stop_reason, traj.num_turns = out.stop_reason, 1
         return traj
 
@@ -110,7 +112,7 @@ class ToolAgentLoop(AgentLoop):
                 session_id, traj.prompt_ids + traj.response_ids, {**sampling, "max_tokens": budget}
             )
             traj.extend(out.token_ids, out.log_probs, model=True)
-            traj.record_version(out.version)
+            traj.record_version(out.version, getattr(out, "min_version", None))
             traj.stop_reason = out.stop_reason
             traj.num_turns += 1
             if out.stop_reason != "stop" or traj.num_turns >= self.max_turns:

@@ -10,7 +10,7 @@ from typing import Any
 import ray
 
 from mrl.rollout.agent_loop.base import Tool, agent_loop_class
-from mrl.rollout.client import FaultPolicy, LLMServerClient, wait_within
+from mrl.rollout.client import FaultPolicy, FullyAsyncLLMServerClient, LLMServerClient, wait_within
 
 
 def load_tools(specs: list[str]) -> list[Tool]:
@@ -24,13 +24,16 @@ def load_tools(specs: list[str]) -> list[Tool]:
 
 class AgentLoopWorker:
     def __init__(self, tokenizer_path: str, balancer: Any, loop: str, max_response_length: int,
-                 tools: list[str] | None = None, max_turns: int = 4, policy: FaultPolicy | None = None) -> None:
+                 tools: list[str] | None = None, max_turns: int = 4, policy: FaultPolicy | None = None,
+                 fully_async: bool = False) -> None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         cls = agent_loop_class(loop)
         kwargs = {"tools": load_tools(tools or []), "max_turns": max_turns} if loop == "tool" else {}
-        self.loop = cls(tokenizer, LLMServerClient(balancer, policy), max_response_length, **kwargs)
+        # Async trainer modes abort requests for weight syncs; the fully-async client continues them (partial rollout).
+        client = (FullyAsyncLLMServerClient if fully_async else LLMServerClient)(balancer, policy)
+        self.loop = cls(tokenizer, client, max_response_length, **kwargs)
 
     async def generate(self, samples: list[dict[str, Any]], n: int, sampling: dict[str, Any]) -> list[dict[str, Any]]:
         """`n` independent sessions per sample, all concurrent; trajectories in (sample, i) order. A seeded
@@ -54,13 +57,21 @@ class AgentLoopWorker:
 class AgentLoopManager:
     def __init__(self, num_workers: int, tokenizer_path: str, balancer: Any, loop: str = "single_turn",
                  max_response_length: int = 256, tools: list[str] | None = None, max_turns: int = 4,
-                 policy: FaultPolicy | None = None) -> None:
+                 policy: FaultPolicy | None = None, fully_async: bool = False) -> None:
         self.policy = policy or FaultPolicy()
         remote = ray.remote(AgentLoopWorker).options(num_cpus=0, max_concurrency=1024)
         self.workers = [
-            remote.remote(tokenizer_path, balancer, loop, max_response_length, tools, max_turns, self.policy)
+            remote.remote(tokenizer_path, balancer, loop, max_response_length, tools, max_turns, self.policy,
+                          fully_async)
             for _ in range(num_workers)
         ]
+        self._next_worker = 0
+
+    def submit(self, sample: dict[str, Any], n: int, sampling: dict[str, Any]) -> ray.ObjectRef:
+        """The `n` trajectories of one sample, without waiting (workers take turns): a ref to the list."""
+        worker = self.workers[self._next_worker % len(self.workers)]
+        self._next_worker += 1
+        return worker.generate.remote([sample], n, sampling)
 
     def generate(self, samples: list[dict[str, Any]], n: int, sampling: dict[str, Any]) -> list[dict[str, Any]]:
         """Trajectories of every sample (n each, grouped by sample, in sample order)."""

@@ -1,0 +1,122 @@
+"""The async trainer modes: `PPOTrainer` subclasses that override hooks only (DESIGN.md glossary).
+
+- `colocate_async` (hybrid replicas, the trainer's devices): a background producer keeps up to
+  `staleness_threshold` steps' worth of extra groups generating. When a step's groups are ready, the unfinished
+  ones are aborted (their clients keep the tokens and re-send at once; the re-sent requests park in the paused
+  servers) and the replicas sleep; after the update the weights are synced and generation resumes, so the
+  aborted requests continue on the new weights (partial rollout: long responses no longer stall a step).
+- `separate_async` (a standalone rollout pool): the producer keeps the pool generating while the actor trains;
+  after every step (= `weight_sync.parameter_sync_step` optimizer updates, a start-up rule) the standalone sync
+  sequence (mrl/weight_sync/state_machine.py) moves the weights and resumes generation.
+
+Both take each step's groups from the producer's replay buffer, which drops groups staler than
+`weight_sync.staleness_threshold` versions; the step's metrics carry the staleness distribution.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import ray
+
+from mrl.config.schema import MrlConfig
+from mrl.data.replay_buffer import ReplayBuffer, staleness_metrics
+from mrl.trainer.metrics import RunLogger
+from mrl.trainer.ppo_trainer import PPOTrainer, TrainerParts
+from mrl.trainer.producer import Prompt, RolloutProducer
+from mrl.weight_sync.state_machine import StandaloneWeightSync
+
+PRODUCER_STATE = "producer.json"
+
+
+class AsyncTrainer(PPOTrainer):
+    """What both async modes share: generation runs in a `RolloutProducer`, the step takes finished groups."""
+
+    def __init__(self, config: MrlConfig, parts: TrainerParts, logger: RunLogger | None = None) -> None:
+        super().__init__(config, parts, logger)
+        c = config
+        self.buffer = ReplayBuffer(filter_equal_rewards=c.data.dynamic_sampling,
+                                   staleness_threshold=c.weight_sync.staleness_threshold)
+        self.producer = RolloutProducer(
+            self.submit_group, self.score, self.prompts, self.buffer, c.rollout.n, c.data.train_batch_size,
+            c.weight_sync.staleness_threshold,
+            max_evictions_per_step=c.data.max_sample_rounds * c.data.train_batch_size if c.data.dynamic_sampling
+            else None,
+        )
+        self.step_extra: dict[str, float] = {}
+
+    def submit_group(self, prompt: Prompt, index: int) -> ray.ObjectRef:
+        # Seeds follow the group's start order, not the step: a group may start during any step.
+        seed = self.config.trainer.seed * 1_000_003 + index * 10_007
+        return self.parts.agent_loops.submit(prompt, self.config.rollout.n, {**self.sampling(train=True), "seed": seed})
+
+    def sample(self) -> list[dict[str, Any]]:
+        self.producer.start()
+        trajectories = self.producer.take(self.config.data.train_batch_size, self.global_steps)
+        self.step_extra = staleness_metrics(trajectories, self.global_steps)
+        return trajectories
+
+    def on_sample_end(self) -> None:
+        return None  # leftovers stay buffered: they are the next step's (bounded-staleness) data
+
+    def on_step_end(self, metrics: dict[str, Any]) -> None:
+        metrics.update(self.step_extra)
+        metrics.update(self.producer.stats())
+
+    def save_checkpoint(self) -> None:
+        super().save_checkpoint()
+        root = f"{self.config.trainer.default_local_dir}/global_step_{self.global_steps}"
+        os.makedirs(root, exist_ok=True)
+        with open(os.path.join(root, PRODUCER_STATE), "w") as f:
+            json.dump(self.producer.state_dict(), f)
+
+    def load_producer_state(self, root: str) -> None:
+        """After the engines are restored from `root` (global_step_N): re-issue the prompts that were in flight,
+        buffered or pending there, and restart admission at version N."""
+        path = os.path.join(root, PRODUCER_STATE)
+        if os.path.exists(path):
+            with open(path) as f:
+                self.producer.load_state_dict(json.load(f), self.global_steps)
+
+    def close(self) -> None:
+        self.producer.stop()
+        super().close()
+
+
+class ColocateAsyncTrainer(AsyncTrainer):
+    def on_sample_end(self) -> None:
+        # Partial rollout: abort what still generates (it resumes after the sync), then lend the devices.
+        self.step_extra["partial_rollout/aborted_requests"] = float(sum(self.parts.rollout.abort_all()))
+        self.parts.rollout.sleep(level=2)
+        self.parts.actor_rollout.onload()
+
+    def sync_weights(self) -> None:
+        super().sync_weights()  # hybrid: wake weights, update, offload the actor, wake the KV cache
+        self.producer.set_version(self.global_steps)
+        self.parts.rollout.resume_generation()  # the aborted requests continue on the new weights
+
+
+class SeparateAsyncTrainer(AsyncTrainer):
+    def __init__(self, config: MrlConfig, parts: TrainerParts, logger: RunLogger | None = None) -> None:
+        super().__init__(config, parts, logger)
+        self.weight_sync = StandaloneWeightSync(parts.rollout, parts.actor_rollout.update_weights)
+
+    def sync_weights(self) -> None:
+        report = self.weight_sync.run(self.global_steps)
+        self.producer.set_version(self.global_steps)
+        self.step_extra.update(report.metrics())
+
+
+TRAINERS: dict[str, type[PPOTrainer]] = {
+    "sync": PPOTrainer,
+    "colocate_async": ColocateAsyncTrainer,
+    "separate_async": SeparateAsyncTrainer,
+}
+
+
+def trainer_class(mode: str) -> type[PPOTrainer]:
+    if mode not in TRAINERS:
+        raise ValueError(f"trainer.mode={mode!r} is not a trainer mode; known: {', '.join(TRAINERS)}")
+    return TRAINERS[mode]
