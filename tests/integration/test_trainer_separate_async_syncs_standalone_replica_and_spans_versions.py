@@ -35,7 +35,8 @@ def odd_length_reward(solution_str, ground_truth, extra_info=None) -> float:
 
 class ProbingTrainer(SeparateAsyncTrainer):
     """Records what each step trained on and probes the replica after each sync (no behaviour change beyond
-    ignore_eos, which keeps responses long enough for generation to still run when the step ends)."""
+    ignore_eos: 1024-token responses take seconds even on an idle machine, so generation still runs when a step
+    ends, and the 1 s wait before the sync lets even a loaded machine produce their first tokens)."""
 
     taken: list[list[dict]]
     probes: list[dict]
@@ -55,7 +56,7 @@ class ProbingTrainer(SeparateAsyncTrainer):
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and not any(h["in_flight"] for h in self.parts.rollout.health().values()):
                 time.sleep(0.05)
-            time.sleep(0.5)
+            time.sleep(1.0)
         super().sync_weights()
         self.probes.append(self.probe())
 
@@ -82,7 +83,7 @@ def run(ray_cluster, tmp_path_factory):
     cfg = load_config("tiny/grpo_separate_async", [
         f"model.path={model}", f"data.train_files=[{write_rows(rows, root / 'train.jsonl')}]",
         f"data.train_batch_size={B}", f"actor.ppo_mini_batch_size={M}", f"weight_sync.parameter_sync_step={B // M}",
-        f"rollout.n={N}", "data.max_response_length=256", f"trainer.total_training_steps={STEPS}",
+        f"rollout.n={N}", "data.max_response_length=1024", f"trainer.total_training_steps={STEPS}",
         "trainer.val_before_train=false", "trainer.test_freq=-1", "actor.optim.lr=1e-3",
         f"trainer.default_local_dir={root / 'run'}", f"reward.reward_fn='{__name__}:odd_length_reward'",
     ])
