@@ -15,8 +15,7 @@ Both take each step's groups from the producer's replay buffer, which drops grou
 
 from __future__ import annotations
 
-import json
-import os
+import copy
 from typing import Any
 
 import ray
@@ -27,8 +26,6 @@ from mrl.trainer.metrics import RunLogger
 from mrl.trainer.ppo_trainer import PPOTrainer, TrainerParts
 from mrl.trainer.producer import Prompt, RolloutProducer
 from mrl.weight_sync.state_machine import StandaloneWeightSync
-
-PRODUCER_STATE = "producer.json"
 
 
 class AsyncTrainer(PPOTrainer):
@@ -65,20 +62,19 @@ class AsyncTrainer(PPOTrainer):
         metrics.update(self.step_extra)
         metrics.update(self.producer.stats())
 
-    def save_checkpoint(self) -> None:
-        super().save_checkpoint()
-        root = f"{self.config.trainer.default_local_dir}/global_step_{self.global_steps}"
-        os.makedirs(root, exist_ok=True)
-        with open(os.path.join(root, PRODUCER_STATE), "w") as f:
-            json.dump(self.producer.state_dict(), f)
+    def trainer_state(self) -> dict[str, Any]:
+        # One consistent snapshot while the producer thread draws prompts and fills the buffer: the dataloader
+        # position counts every prompt drawn, the buffer holds the finished groups, the producer lists the rest.
+        with self.producer.lock:
+            state = super().trainer_state()
+            state["buffer"] = copy.deepcopy(self.buffer)
+            state["producer"] = self.producer.state_dict()
+        return state
 
-    def load_producer_state(self, root: str) -> None:
-        """After the engines are restored from `root` (global_step_N): re-issue the prompts that were in flight,
-        buffered or pending there, and restart admission at version N."""
-        path = os.path.join(root, PRODUCER_STATE)
-        if os.path.exists(path):
-            with open(path) as f:
-                self.producer.load_state_dict(json.load(f), self.global_steps)
+    def restore_trainer_state(self, state: dict[str, Any]) -> None:
+        super().restore_trainer_state(state)
+        self.producer.buffer = self.buffer
+        self.producer.load_state_dict(state.get("producer", {}), self.global_steps)
 
     def close(self) -> None:
         self.producer.stop()
@@ -104,9 +100,11 @@ class SeparateAsyncTrainer(AsyncTrainer):
         self.weight_sync = StandaloneWeightSync(parts.rollout, parts.actor_rollout.update_weights)
 
     def sync_weights(self) -> None:
-        report = self.weight_sync.run(self.global_steps)
+        # Every actor update of the step skipped (non-finite): the pool keeps the last good weights, which equal
+        # the actor's, so generation goes on untouched; admission still moves on with the step.
+        if not self.updates_all_skipped:
+            self.step_extra.update(self.weight_sync.run(self.global_steps).metrics())
         self.producer.set_version(self.global_steps)
-        self.step_extra.update(report.metrics())
 
 
 TRAINERS: dict[str, type[PPOTrainer]] = {

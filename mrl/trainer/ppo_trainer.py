@@ -236,10 +236,7 @@ class PPOTrainer:
         self.parts.actor_rollout.save_checkpoint(f"{staging}/actor")
         if self.parts.critic is not None:
             self.parts.critic.save_checkpoint(f"{staging}/critic")
-        checkpointing.save_trainer_state(staging, {
-            "global_steps": self.global_steps, "dataloader": self.prompts.state_dict(), "buffer": self.buffer,
-            "rng": rng_state(), "kl_ctrl": self.kl_ctrl,
-        })
+        checkpointing.save_trainer_state(staging, self.trainer_state())
         final = checkpointing.step_dir(root, self.global_steps)
         checkpointing.commit(staging, final)
         return final
@@ -248,7 +245,14 @@ class PPOTrainer:
         self.parts.actor_rollout.load_checkpoint(f"{path}/actor")
         if self.parts.critic is not None:
             self.parts.critic.load_checkpoint(f"{path}/critic")
-        state = checkpointing.load_trainer_state(path)
+        self.restore_trainer_state(checkpointing.load_trainer_state(path))
+
+    def trainer_state(self) -> dict[str, Any]:
+        """The driver's part of a checkpoint (async modes add their rollout producer's)."""
+        return {"global_steps": self.global_steps, "dataloader": self.prompts.state_dict(), "buffer": self.buffer,
+                "rng": rng_state(), "kl_ctrl": self.kl_ctrl}
+
+    def restore_trainer_state(self, state: dict[str, Any]) -> None:
         self.global_steps = state["global_steps"]
         self.prompts.load_state_dict(state["dataloader"])
         self.buffer = state["buffer"]

@@ -13,9 +13,10 @@ with `version` the weights the replicas now hold. Every group started under vers
 out of order can still exceed it; the buffer drops those (`ReplayBuffer.drop_stale`). With s = 0 the producer
 waits for each sync: synchronous training with the async machinery.
 
-State for checkpoints: every prompt drawn from the dataset and not yet trained on (in flight, buffered, or not yet
-submitted) is listed by `state_dict()`; `load_state_dict` re-issues them first after a resume (their partial
-tokens are lost: they regenerate on the restored weights).
+State for checkpoints (with the dataloader position, which counts every prompt drawn, and the replay buffer, which
+the trainer saves): the prompts drawn but neither finished nor trained on (in flight, or not yet submitted) are
+listed by `state_dict()`; `load_state_dict` re-issues them first after a resume (their partial tokens are lost:
+they regenerate on the restored weights).
 """
 
 from __future__ import annotations
@@ -63,7 +64,6 @@ class RolloutProducer:
         self.started = 0
         self._pending: deque[Prompt] = deque()  # drawn from the dataset (or re-issued), not yet submitted
         self._in_flight: dict[ray.ObjectRef, tuple[Prompt, Prompt]] = {}  # ref -> (dataset row, submitted prompt)
-        self._buffered_rows: dict[str, Prompt] = {}  # uid of a buffered group -> its prompt row
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -101,8 +101,6 @@ class RolloutProducer:
                          and self.buffer.evicted - evicted_at_start >= self.max_evictions_per_step)
                 if self.buffer.ready(num_groups) or short:
                     taken = self.buffer.sample(min(num_groups, len(self.buffer)))
-                    for uid in dict.fromkeys(t["uid"] for t in taken):
-                        self._buffered_rows.pop(uid, None)
                     self.consumed += len(taken) // self.n
                     self._cond.notify_all()
                     return taken
@@ -115,16 +113,22 @@ class RolloutProducer:
                     "producer/started_groups": float(self.started),
                     "staleness/dropped_groups": float(self.buffer.dropped_stale)}
 
+    @property
+    def lock(self) -> threading.Condition:
+        """Held, the producer thread neither draws prompts nor changes the buffer (re-entrant)."""
+        return self._cond
+
     def state_dict(self) -> dict[str, Any]:
-        """The prompts drawn but not trained on (in flight, buffered, pending): re-issued after a resume."""
+        """The prompts drawn but not finished (in flight, pending): re-issued after a resume."""
         with self._cond:
-            rows = [*(row for row, _ in self._in_flight.values()), *self._buffered_rows.values(), *self._pending]
-            return {"reissue": [dict(r) for r in rows]}
+            rows = [*(row for row, _ in self._in_flight.values()), *self._pending]
+            return {"reissue": [dict(r) for r in rows], "started": self.started}
 
     def load_state_dict(self, state: dict[str, Any], version: int) -> None:
         """Re-issue the saved prompts before drawing new ones; admission restarts from `version`."""
         with self._cond:
             self._pending.extendleft(reversed([dict(r) for r in state.get("reissue", [])]))
+            self.started = state.get("started", 0)  # sampling seeds follow it: no replayed seeds after a resume
             self.version = version
             self.consumed = version * self.groups_per_step
             self._cond.notify_all()
@@ -163,10 +167,9 @@ class RolloutProducer:
 
     def _collect(self, ref: ray.ObjectRef) -> None:
         trajectories = ray.get(ref)
-        row, prompt = self._in_flight[ref]
+        _, prompt = self._in_flight[ref]
         self.score(trajectories, [prompt])  # also stamps each trajectory with the prompt's uid
         with self._cond:
             del self._in_flight[ref]
-            if self.buffer.add(trajectories, self.n):
-                self._buffered_rows[prompt["uid"]] = row
+            self.buffer.add(trajectories, self.n)
             self._cond.notify_all()

@@ -5,20 +5,16 @@ Response lengths are made heterogeneous on purpose (every other group stops afte
 length limit), so when a step's groups are ready the long ones are still generating. Proves: those are aborted
 before the replica sleeps (partial rollout), continue after the sync on the new weights, and train in the next step
 with min_version < max_version; the server sees abort → sleep → wake weights → update → wake KV → resume; no
-trained sample is staler than the threshold.
+trained sample is staler than the threshold; a checkpoint taken while groups generate lists their prompts, and a
+trainer resumed from it re-issues them before drawing new ones.
 """
 
 from __future__ import annotations
 
-import random
-
 import pytest
-import ray
+from trainer_fixtures import stepped, tiny_trainer
 
-from mrl.config.loader import load_config
-from mrl.data.datasets import write_rows
-from mrl.models.tiny import make_tiny_hf_model
-from mrl.trainer.build import build_trainer, shutdown
+from mrl.trainer import checkpointing
 from mrl.trainer.modes import ColocateAsyncTrainer
 
 pytestmark = pytest.mark.integration
@@ -26,14 +22,14 @@ pytestmark = pytest.mark.integration
 B, M, N, STEPS, VOCAB, LONG = 2, 1, 2, 2, 512, 160
 
 
-def odd_length_reward(solution_str, ground_truth, extra_info=None) -> float:
-    return float(len(solution_str) % 2)
-
-
 class RecordingTrainer(ColocateAsyncTrainer):
-    taken: list[list[dict]]
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.taken: list[list[dict]] = []
+        self.submitted: list[str] = []
 
     def submit_group(self, prompt, index):
+        self.submitted.append(prompt["uid"].split("@")[0])
         self.sampling_overrides = (
             {"stop_token_ids": list(range(VOCAB))} if index % 2 == 0 else {"ignore_eos": True}
         )
@@ -50,28 +46,12 @@ class RecordingTrainer(ColocateAsyncTrainer):
 
 @pytest.fixture(scope="module")
 def run(ray_cluster, tmp_path_factory):
-    root = tmp_path_factory.mktemp("colocate_async")
-    model = make_tiny_hf_model("qwen2", root / "model", seed=0, vocab_size=VOCAB)
-    rng = random.Random(0)
-    rows = [{"prompt": [{"role": "user", "content": " ".join(rng.choice(["a", "b", "c"]) for _ in range(3))}],
-             "data_source": "test", "reward_model": {"ground_truth": "x"}, "extra_info": {"index": i}}
-            for i in range(8)]
-    cfg = load_config("tiny/grpo_colocate_async", [
-        f"model.path={model}", f"data.train_files=[{write_rows(rows, root / 'train.jsonl')}]",
+    trainer = tiny_trainer(RecordingTrainer, "tiny/grpo_colocate_async", tmp_path_factory.mktemp("colocate_async"), [
         f"data.train_batch_size={B}", f"actor.ppo_mini_batch_size={M}", f"rollout.n={N}", "rollout.name=hf",
-        f"data.max_response_length={LONG}", f"trainer.total_training_steps={STEPS}", "trainer.val_before_train=false",
-        "trainer.test_freq=-1", "actor.optim.lr=1e-3", f"trainer.default_local_dir={root / 'run'}",
-        f"reward.reward_fn='{__name__}:odd_length_reward'",
-    ])
-    built = build_trainer(cfg)
-    trainer = RecordingTrainer(built.config, built.parts, built.logger)
-    trainer.taken = []
-    try:
-        metrics = [trainer.step() for _ in range(STEPS)]
-        server = next(iter(trainer.parts.rollout.replicas.values())).server
-        yield trainer, metrics, ray.get(server.events.remote())
-    finally:
-        shutdown(trainer)
+        f"data.max_response_length={LONG}", f"trainer.total_training_steps={STEPS}",
+    ], list("abc"), vocab_size=VOCAB)
+    with stepped(trainer, STEPS) as result:
+        yield result
 
 
 def test_long_groups_are_aborted_and_continue_on_the_new_weights(run):
@@ -90,3 +70,23 @@ def test_server_sees_abort_sleep_update_wake_resume(run):
     i = events.index("update_weights:1")
     assert events[:i][-3:] == ["abort_all", "sleep:2", "wake_up:weights"], events
     assert events[i:].index("wake_up:kv_cache") < events[i:].index("resume_generation"), events
+
+
+def test_resume_reissues_the_prompts_in_flight_at_the_checkpoint_first(run):
+    trainer, _, _ = run
+    # Pause generation so the long groups started after the last sync are still unfinished when the (slow) engine
+    # checkpoint is written; the resumed trainer's sync resumes the servers.
+    trainer.parts.rollout.abort_all()
+    path = trainer.save_checkpoint()
+    saved = checkpointing.load_trainer_state(path)
+    reissue = [row["uid"] for row in saved["producer"]["reissue"]]
+    assert reissue
+    trainer.close()
+    resumed = RecordingTrainer(trainer.config, trainer.parts, trainer.logger)
+    try:
+        assert resumed.resume() == path and resumed.global_steps == STEPS
+        assert len(resumed.buffer) == len(saved["buffer"])  # finished groups come back with the buffer
+        resumed.step()
+        assert resumed.submitted[: len(reissue)] == reissue
+    finally:
+        resumed.close()

@@ -10,17 +10,12 @@ min_version < max_version; no trained sample is staler than weight_sync.stalenes
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 
 import pytest
-import ray
+from trainer_fixtures import stepped, tiny_trainer
 
-from mrl.config.loader import load_config
-from mrl.data.datasets import write_rows
-from mrl.models.tiny import make_tiny_hf_model
 from mrl.trainer import batching
-from mrl.trainer.build import build_trainer, shutdown
 from mrl.trainer.modes import SeparateAsyncTrainer
 
 pytestmark = pytest.mark.integration
@@ -29,17 +24,15 @@ B, M, N, STEPS = 2, 1, 2, 3
 PROBE_PROMPT = [11, 57, 203, 88, 141, 9, 300, 42]
 
 
-def odd_length_reward(solution_str, ground_truth, extra_info=None) -> float:
-    return float(len(solution_str) % 2)
-
-
 class ProbingTrainer(SeparateAsyncTrainer):
     """Records what each step trained on and probes the replica after each sync (no behaviour change beyond
     ignore_eos: 1024-token responses take seconds even on an idle machine, so generation still runs when a step
     ends, and the 1 s wait before the sync lets even a loaded machine produce their first tokens)."""
 
-    taken: list[list[dict]]
-    probes: list[dict]
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.taken: list[list[dict]] = []
+        self.probes: list[dict] = []
 
     def sampling(self, train: bool) -> dict:
         return {**super().sampling(train), "ignore_eos": True}
@@ -73,30 +66,13 @@ class ProbingTrainer(SeparateAsyncTrainer):
 
 @pytest.fixture(scope="module")
 def run(ray_cluster, tmp_path_factory):
-    root = tmp_path_factory.mktemp("separate_async")
-    model = make_tiny_hf_model("qwen2", root / "model", seed=0)
-    rng = random.Random(0)
     words = ["alpha", "beta", "gamma", "delta", "step", "model", "token", "answer"]
-    rows = [{"prompt": [{"role": "user", "content": " ".join(rng.choice(words) for _ in range(4))}],
-             "data_source": "test", "reward_model": {"ground_truth": "x"}, "extra_info": {"index": i}}
-            for i in range(8)]
-    cfg = load_config("tiny/grpo_separate_async", [
-        f"model.path={model}", f"data.train_files=[{write_rows(rows, root / 'train.jsonl')}]",
+    trainer = tiny_trainer(ProbingTrainer, "tiny/grpo_separate_async", tmp_path_factory.mktemp("separate_async"), [
         f"data.train_batch_size={B}", f"actor.ppo_mini_batch_size={M}", f"weight_sync.parameter_sync_step={B // M}",
         f"rollout.n={N}", "data.max_response_length=1024", f"trainer.total_training_steps={STEPS}",
-        "trainer.val_before_train=false", "trainer.test_freq=-1", "actor.optim.lr=1e-3",
-        f"trainer.default_local_dir={root / 'run'}", f"reward.reward_fn='{__name__}:odd_length_reward'",
-    ])
-    built = build_trainer(cfg)
-    trainer = ProbingTrainer(built.config, built.parts, built.logger)
-    trainer.taken, trainer.probes = [], []
-    try:
-        metrics = [trainer.step() for _ in range(STEPS)]
-        server = next(iter(trainer.parts.rollout.replicas.values())).server
-        events = ray.get(server.events.remote())
-        yield trainer, metrics, events
-    finally:
-        shutdown(trainer)
+    ], words)
+    with stepped(trainer, STEPS) as result:
+        yield result
 
 
 def test_replica_logprobs_match_trainer_after_each_sync(run):

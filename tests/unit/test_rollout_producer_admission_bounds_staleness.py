@@ -79,6 +79,6 @@ def test_checkpoint_state_reissues_drawn_prompts_first():
     submitted.clear()
     resumed = producer()
     resumed.load_state_dict(state, version=3)
-    assert resumed.consumed == 6
+    assert resumed.consumed == 6 and resumed.started == 4
     resumed._fill()
     assert submitted == ["p0", "p1", "p2", "p3"]  # the saved prompts, in order, before any new draw

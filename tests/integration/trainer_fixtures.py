@@ -1,0 +1,53 @@
+"""Shared pieces of the trainer-mode integration tests: a tiny model and prompt file, a reward that varies inside a
+group, a trainer of a given class built from a recipe, and a run of a few steps that also returns the replica's
+control-call log."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from mrl.config.loader import load_config
+from mrl.data.datasets import write_rows
+from mrl.models.tiny import make_tiny_hf_model
+from mrl.trainer.build import build_trainer, shutdown
+
+
+def odd_length_reward(solution_str, ground_truth, extra_info=None) -> float:
+    """Rewards that differ inside a group (so GRPO advantages are non-zero) without a trained model."""
+    return float(len(solution_str) % 2)
+
+
+def prompt_file(path: Path, words: list[str], length: int, count: int = 8, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    rows = [{"prompt": [{"role": "user", "content": " ".join(rng.choice(words) for _ in range(length))}],
+             "data_source": "test", "reward_model": {"ground_truth": "x"}, "extra_info": {"index": i}}
+            for i in range(count)]
+    return write_rows(rows, path)
+
+
+@contextmanager
+def stepped(trainer: Any, steps: int) -> Iterator[tuple[Any, list[dict[str, Any]], list[str]]]:
+    """`steps` trainer steps: (trainer, their metrics, the first replica server's events in order); then shutdown."""
+    try:
+        metrics = [trainer.step() for _ in range(steps)]
+        server = next(iter(trainer.parts.rollout.replicas.values())).server
+        yield trainer, metrics, ray.get(server.events.remote())
+    finally:
+        shutdown(trainer)
+
+
+def tiny_trainer(cls: type, recipe: str, root: Path, overrides: list[str], words: list[str], **model_kwargs: Any):
+    """A `cls` trainer (a PPOTrainer subclass) over `recipe` on a tiny random Qwen2 and 8 prompts of 4 `words`."""
+    model = make_tiny_hf_model("qwen2", root / "model", seed=0, **model_kwargs)
+    built = build_trainer(load_config(recipe, [
+        f"model.path={model}", f"data.train_files=[{prompt_file(root / 'train.jsonl', words, 4)}]",
+        "trainer.val_before_train=false", "trainer.test_freq=-1", "actor.optim.lr=1e-3",
+        f"trainer.default_local_dir={root / 'run'}", f"reward.reward_fn='{__name__}:odd_length_reward'", *overrides,
+    ]))
+    return cls(built.config, built.parts, built.logger)
