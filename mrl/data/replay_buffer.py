@@ -84,20 +84,6 @@ class ReplayBuffer:
         return dropped
 
 
-def staleness_metrics(trajectories: list[dict[str, Any]], current_version: int) -> dict[str, float]:
-    """Distribution of the staleness (current version - min_version) of the samples a step trains on."""
-    real = [t for t in trajectories if not t.get("is_noop")]
-    if not real:
-        return {}
-    ages = [current_version - t["min_version"] for t in real]
-    return {
-        "staleness/mean": sum(ages) / len(ages),
-        "staleness/max": float(max(ages)),
-        # Partial rollouts: samples whose tokens came from more than one weight version.
-        "staleness/spanning_frac": sum(t["min_version"] < t["max_version"] for t in real) / len(real),
-    }
-
-
 def noop_like(trajectory: dict[str, Any], uid: str) -> dict[str, Any]:
     """A synthetic sample that trains nothing: the same tokens with an all-zero response mask and no reward, so
     it makes sample counts divisible (DP size, mini-batches) without moving any loss denominator."""

@@ -21,7 +21,7 @@ from typing import Any
 import ray
 
 from mrl.config.schema import MrlConfig
-from mrl.data.replay_buffer import ReplayBuffer, staleness_metrics
+from mrl.data.replay_buffer import ReplayBuffer
 from mrl.trainer.metrics import RunLogger
 from mrl.trainer.ppo_trainer import PPOTrainer, TrainerParts
 from mrl.trainer.producer import Prompt, RolloutProducer
@@ -52,7 +52,10 @@ class AsyncTrainer(PPOTrainer):
     def sample(self) -> list[dict[str, Any]]:
         self.producer.start()
         trajectories = self.producer.take(self.config.data.train_batch_size, self.global_steps)
-        self.step_extra = staleness_metrics(trajectories, self.global_steps)
+        # Partial rollouts: the share of samples whose tokens came from more than one weight version (the step's
+        # staleness/mean and /max come with every trainer's metrics).
+        spanning = sum(t["min_version"] < t["max_version"] for t in trajectories)
+        self.step_extra = {"staleness/spanning_frac": spanning / max(len(trajectories), 1)}
         return trajectories
 
     def on_sample_end(self) -> None:

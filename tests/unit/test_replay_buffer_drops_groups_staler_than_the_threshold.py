@@ -1,8 +1,7 @@
 """Staleness control: with a threshold, groups holding a sample more than `threshold` versions behind the trainer
-are dropped before a step takes its groups (whole groups, counted), and the step's metrics report the staleness
-distribution of what it trains on, partial rollouts (samples spanning versions) included."""
+(partial rollouts count from their oldest token) are dropped whole before a step takes its groups, and counted."""
 
-from mrl.data.replay_buffer import ReplayBuffer, staleness_metrics
+from mrl.data.replay_buffer import ReplayBuffer
 
 
 def group(uid: str, versions: list[tuple[int, int]]) -> list[dict]:
@@ -29,10 +28,3 @@ def test_at_the_threshold_is_kept_and_no_threshold_keeps_everything():
     unbounded.add(group("a", [(0, 0), (0, 0)]), n=2)
     assert unbounded.drop_stale(100) == 0 and unbounded.sample(1, current_version=100)
 
-
-def test_staleness_metrics_mean_max_and_spanning_fraction_skip_noops():
-    trajectories = group("a", [(1, 1), (2, 3)]) + group("b", [(3, 3), (3, 3)])
-    trajectories.append({"uid": "noop-0", "min_version": 0, "max_version": 0, "is_noop": True})
-    m = staleness_metrics(trajectories, current_version=3)
-    assert m == {"staleness/mean": (2 + 1 + 0 + 0) / 4, "staleness/max": 2.0, "staleness/spanning_frac": 0.25}
-    assert staleness_metrics([], 3) == {}
