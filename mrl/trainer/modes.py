@@ -88,8 +88,9 @@ class ColocateAsyncTrainer(AsyncTrainer):
     def on_sample_end(self) -> None:
         # Partial rollout: abort what still generates (it resumes after the sync), then lend the devices.
         self.step_extra["partial_rollout/aborted_requests"] = float(sum(self.parts.rollout.abort_all()))
-        self.parts.rollout.sleep(level=2)
-        self.parts.actor_rollout.onload()
+        if self.sleeps_rollout:  # else (rollout.free_cache_engine=false) the paused replicas keep their memory
+            self.parts.rollout.sleep(level=2)
+            self.parts.actor_rollout.onload()
 
     def sync_weights(self) -> None:
         super().sync_weights()  # hybrid: wake weights, update, offload the actor, wake the KV cache
