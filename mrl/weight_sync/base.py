@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 TIMEOUT_KNOB = "weight_sync.timeout_s"
-_FIRST_PAUSE_S, _MAX_PAUSE_S = 2e-5, 5e-3  # polling of the control store (see Control.wait)
+_FIRST_PAUSE_S, _MAX_PAUSE_S = 1e-5, 1e-3  # polling of the control store (see Control.wait)
 
 
 class WeightSyncTimeout(TimeoutError):

@@ -10,6 +10,7 @@ an aligned offset, so the receiver takes a view of the buffer instead of a copy.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -58,8 +59,8 @@ def fill_buckets(
         if name in seen:
             raise ValueError(f"weight stream repeats tensor {name!r}")
         seen.add(name)
-        src = as_bytes(tensor)
-        total, done = src.numel(), 0
+        total, done = tensor.numel() * tensor.element_size(), 0
+        src = functools.cache(lambda tensor=tensor: as_bytes(tensor))  # flattened only if the tensor is split
         meta = [name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
         while done < total or (total == 0 and done == 0):
             start = _align(used)
@@ -69,7 +70,11 @@ def fill_buckets(
                 yield from flush()
                 continue
             n = min(total - done, room)
-            buffers[k % len(buffers)][start : start + n].copy_(src[done : done + n], non_blocking=True)
+            dst = buffers[k % len(buffers)][start : start + n]
+            if n == total and total:  # whole: one (possibly strided) copy straight into the bucket
+                dst.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach(), non_blocking=True)
+            else:
+                dst.copy_(src()[done : done + n], non_blocking=True)
             entries.append([*meta, start, n, done, total])
             used, done = start + n, done + n
             if total == 0:

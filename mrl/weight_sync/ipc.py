@@ -41,7 +41,8 @@ class IpcSender(WeightSender):
 
             self.buffers = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device)
                             for _ in range(NUM_BUFFERS)]
-            return {"device": "cuda", "handles": [share_cuda_buffer(b) for b in self.buffers]}
+            uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+            return {"device": "cuda", "gpu": uuid, "handles": [share_cuda_buffer(b) for b in self.buffers]}
         for i in range(NUM_BUFFERS):
             path = os.path.join(_shm_dir(), f"{self.control.prefix}_{i}")
             with open(path, "wb") as f:
@@ -83,6 +84,12 @@ class IpcReceiver(WeightReceiver):
         if spec["device"] == "cuda":
             from rollout_adapters.cuda_ipc import open_cuda_buffer
 
+            here = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+            if here != spec["gpu"]:
+                raise ValueError(
+                    f"weight_sync.transport=ipc: rollout rank {rank} is on GPU {here}, the trainer's buffers on "
+                    f"{spec['gpu']}; ipc shares memory on one device only (use nccl for other devices)"
+                )
             self.buffers = [open_cuda_buffer(h) for h in spec["handles"]]
         else:
             size = spec["bucket_bytes"]

@@ -49,11 +49,12 @@ def new_group(store: Any, prefix: str, rank: int, world_size: int, device: torch
 
 
 def destroy_group(group: Any) -> None:
-    """Release an NCCL communicator now (a gloo group just closes its sockets when dropped)."""
-    shutdown = getattr(group, "shutdown", None)
-    if group is not None and shutdown is not None and type(group).__name__ == "ProcessGroupNCCL":
+    """Release an NCCL communicator now, without a collective step (a gloo group just closes its sockets when
+    dropped). Called after every peer reported done, so nothing is in flight."""
+    abort = getattr(group, "abort", None)
+    if group is not None and abort is not None and type(group).__name__ == "ProcessGroupNCCL":
         with contextlib.suppress(Exception):
-            shutdown()
+            abort()
 
 
 def broadcast(group: Any, tensor: torch.Tensor) -> Any:
@@ -150,7 +151,8 @@ class NcclReceiver(WeightReceiver):
         reader.check_complete()
 
     def finalize(self) -> None:
+        sync_device()
+        super().finalize()  # report done first: the sender destroys its side only after every receiver is done
         self.buffers = []
         destroy_group(self.group)
         self.group = None
-        super().finalize()

@@ -29,6 +29,8 @@ import torch.multiprocessing as mp
 
 QWEN2_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                 num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
+# A stalled stage fails with the transport's error (stage, ranks) instead of eating the device lease.
+SYNC_TIMEOUT_S = 60.0
 TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False)
 
@@ -148,7 +150,7 @@ def time_copy(nbytes: int, device: torch.device, reps: int = 5) -> float:
 def time_sync(transport: str, bridge: Any, chunks: Any, bucket: int, inbox: Any, outbox: Any) -> dict[str, Any]:
     from mrl.weight_sync import make_sender
 
-    sender = make_sender(transport, 2, bucket, 600.0, device=_device(0))
+    sender = make_sender(transport, 2, bucket, SYNC_TIMEOUT_S, device=_device(0))
     spec = sender.prepare()
     inbox.put(("sync", spec))
     sender.init_process_group()
@@ -157,7 +159,7 @@ def time_sync(transport: str, bridge: Any, chunks: Any, bucket: int, inbox: Any,
     sent = sender.send_weights(bridge.export(chunks))
     sender.finalize()  # waits for the receiver's last acknowledgement
     seconds = time.perf_counter() - start
-    count, checksum = outbox.get(timeout=600)
+    count, checksum = outbox.get(timeout=2 * SYNC_TIMEOUT_S)
     return {"seconds": seconds, "tensors": sent, "received": count, "embed_sum": checksum}
 
 
@@ -165,11 +167,11 @@ def time_raw_broadcast(nbytes: int, bucket: int, inbox: Any, outbox: Any) -> flo
     from mrl.weight_sync.base import Control
     from mrl.weight_sync.nccl import broadcast, new_group
 
-    c = Control.host("nccl", 2, 600.0)
+    c = Control.host("nccl", 2, SYNC_TIMEOUT_S)
     sizes = [min(bucket, nbytes - i) for i in range(0, nbytes, bucket)]
     inbox.put(("raw", {**c.spec, "bucket_bytes": bucket, "sizes": sizes}))
     c.join()
-    group = new_group(c.store, c.prefix, 0, 2, _device(0), 600.0)
+    group = new_group(c.store, c.prefix, 0, 2, _device(0), SYNC_TIMEOUT_S)
     buf = torch.empty(bucket, dtype=torch.uint8, device=_device(0))
     broadcast(group, buf[: sizes[0]]).wait()  # warm-up: the communicator is created lazily
     _sync()
@@ -179,7 +181,7 @@ def time_raw_broadcast(nbytes: int, bucket: int, inbox: Any, outbox: Any) -> flo
     _sync()
     c.wait("raw done", {1: c.key("done", 1)})
     seconds = time.perf_counter() - start
-    outbox.get(timeout=600)
+    outbox.get(timeout=2 * SYNC_TIMEOUT_S)
     return seconds
 
 
