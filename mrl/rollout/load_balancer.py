@@ -34,6 +34,9 @@ class LoadBalancer:
         self._max_sessions = max_sessions
         self._weights_version: int | None = None
         self._weights: Any = None
+        # Healthy replacements that cannot be re-synced from a recorded copy (a transport sent the weights): they
+        # receive the next push, then register, but serve no request before.
+        self._pending: dict[str, Any] = {}
         for server_id, handle in (servers or {}).items():
             self.add_server(server_id, handle)
 
@@ -48,21 +51,29 @@ class LoadBalancer:
         (False: re-sync it and try again). A server registered here receives every later `record_weights` push."""
         if self._weights_version is not None and version != self._weights_version:
             return False
+        self._pending.pop(server_id, None)
         if server_id not in self._servers:
             self.add_server(server_id, handle)
         return True
 
+    def add_pending(self, server_id: str, handle: Any) -> None:
+        """A server that needs the next push before it may serve (no re-pushable copy of the weights is recorded)."""
+        if server_id not in self._servers:
+            self._pending[server_id] = handle
+
     def record_weights(self, version: int, weights: Any) -> dict[str, Any]:
         """Remember the newest weights (`weights`: what `RolloutReplica.update_weights` takes, e.g. the packed
-        buckets' object refs) and return the servers the caller must push them to: the registered ones."""
+        buckets' object refs, or None when they cannot be re-pushed) and return the servers the caller must push
+        them to: the registered ones and the pending ones."""
         self._weights_version, self._weights = int(version), weights
-        return dict(self._servers)
+        return {**self._servers, **self._pending}
 
     def latest_weights(self) -> tuple[int | None, Any]:
         return self._weights_version, self._weights
 
     def remove_server(self, server_id: str) -> list[str]:
         """Unregister a server; returns the sessions that were stuck to it (they will be re-routed)."""
+        self._pending.pop(server_id, None)
         if server_id not in self._servers:
             return []
         del self._servers[server_id]

@@ -234,11 +234,15 @@ class LLMServerManager:
                 log.error("rollout replica %d dropped: rollout.max_replica_restarts=%d reached", rank,
                           self.policy.max_replica_restarts)
                 return
-            self.restarts[rank] += 1
-        new = RolloutReplica(rank, self.spec, self.mode)
-        self._start([new], self._pools.get(rank))
-        with self._lock:
-            self.replicas[rank] = new
+        new, started = RolloutReplica(rank, self.spec, self.mode), False
+        try:
+            self._start([new], self._pools.get(rank))
+            started = True
+        finally:  # a failed start counts too, so a replica that cannot start is dropped after the limit
+            with self._lock:
+                self.restarts[rank] += 1
+                if started:
+                    self.replicas[rank] = new
         self._join(new, self._call(new.health()))
 
     def _join(self, replica: RolloutReplica, health: dict[str, Any]) -> None:
@@ -250,7 +254,8 @@ class LLMServerManager:
         for _ in range(3):
             latest, weights = self._call(self.balancer.latest_weights.remote())
             if latest is not None and version != latest:
-                if weights is None:  # a transport that keeps no copy: nothing to re-sync from yet
+                if weights is None:  # a transport sent them and kept no copy: take the next push, then join
+                    self._call(self.balancer.add_pending.remote(replica.server_id, replica.server))
                     return
                 self._call(replica.update_weights(weights, latest))
                 version = latest

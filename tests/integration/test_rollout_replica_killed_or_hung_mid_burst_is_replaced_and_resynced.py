@@ -168,3 +168,22 @@ def test_a_replacement_takes_the_pools_sleep_and_pause_state_before_it_serves(po
     manager.wake_up(["kv_cache"])
     manager.resume_generation()
     assert {(tuple(h["asleep"]), h["paused"]) for h in manager.health().values()} == {((), False)}
+
+
+def test_after_a_transport_sync_a_replacement_serves_only_once_the_next_push_reached_it(pool, hf_models):
+    manager, _ = pool
+    version = next_version()
+    manager.update_weights(hf_models[1].state_dict().items(), version, transport="disk", timeout_s=120)
+    assert ray.get(manager.balancer.latest_weights.remote()) == (version, None)  # nothing kept to re-push
+    victim = max(manager.replicas)
+    restarts = manager.restarts[victim]
+    os.kill(ray.get(manager.replicas[victim].health())["pid"], signal.SIGKILL)
+    wait_until(lambda: manager.restarts[victim] == restarts + 1, what="the replacement")
+    time.sleep(3 * POLICY.health_check_interval_s)  # health rounds pass: it must not serve the weights on disk
+    assert len(ray.get(manager.balancer.servers.remote())) == 1
+    assert ray.get(manager.replicas[victim].health())["version"] == 0
+    newer = next_version()
+    loaded = manager.update_weights(hf_models[0].state_dict().items(), newer, transport="disk", timeout_s=120)
+    assert len(loaded) == 2, "the push reaches the waiting replacement too"
+    wait_until(lambda: len(ray.get(manager.balancer.servers.remote())) == 2, what="the replacement to serve")
+    assert [h["version"] for h in manager.health().values()] == [newer, newer]

@@ -1,6 +1,7 @@
 """The load balancer's part in replica failure, without Ray: a weight push records its version and gets exactly the
 servers registered at that moment; a re-synced server registers only at the newest recorded version (so a push it
-missed makes it re-sync first); an empty pool raises the error clients wait on; releases of a removed and
+missed makes it re-sync first); a replacement that cannot be re-synced from a recorded copy receives the next
+push before it is routed any request; an empty pool raises the error clients wait on; releases of a removed and
 re-registered server never drive its count negative. The client tells a failed replica from a bad request."""
 
 from __future__ import annotations
@@ -25,6 +26,19 @@ def test_pushes_reach_the_registered_servers_and_registration_is_compare_and_set
     assert lb.add_server_at("b", "B2", version=6)
     assert lb.handles() == {"a": "A", "b": "B2"}
     assert lb.add_server_at("b", "B2", version=6)  # idempotent
+
+
+def test_a_pending_server_gets_pushes_but_no_requests_until_it_registers():
+    lb = LoadBalancer({"a": "A"})
+    lb.record_weights(3, None)  # a transport sent them: nothing to re-push from
+    lb.add_pending("b", "B")
+    assert lb.servers() == ["a"] and lb.acquire_id("r") == "a"
+    assert lb.record_weights(4, None) == {"a": "A", "b": "B"}
+    assert lb.add_server_at("b", "B", version=4)
+    assert lb.record_weights(5, None) == {"a": "A", "b": "B"} and lb.servers() == ["a", "b"]
+    lb.add_pending("c", "C")
+    lb.remove_server("c")
+    assert "c" not in lb.record_weights(6, None)
 
 
 def test_empty_pool_raises_what_clients_wait_on_and_late_releases_floor_at_zero():
