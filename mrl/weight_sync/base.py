@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import socket
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -63,10 +64,18 @@ class Control:
     def host(cls, transport: str, world_size: int, timeout_s: float, host: str = "127.0.0.1") -> Control:
         from torch.distributed import TCPStore
 
-        store = TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        # A TCPStore given only a port listens on every interface; bound by us it listens on `host` alone, so the
+        # weight-update endpoint is not reachable from other machines unless weight_sync.host says so.
+        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        listener.bind((host, 0))
+        listener.listen(1024)
+        store = TCPStore(host, listener.getsockname()[1], None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False, master_listen_fd=listener.fileno())
         spec = {"transport": transport, "host": host, "port": store.port, "world_size": world_size,
                 "timeout_s": timeout_s, "session": f"mrl_ws_{uuid.uuid4().hex[:12]}"}
-        return cls(spec, 0, store)
+        control = cls(spec, 0, store)
+        control.listener = listener  # the store serves on this socket: keep it open as long as the store
+        return control
 
     def key(self, *parts: Any) -> str:
         return "/".join([self.prefix, *map(str, parts)])

@@ -2,7 +2,8 @@
 dtypes and shapes, one tensor larger than a bucket, a strided view and an empty tensor, from a sender to two
 receiver processes bit for bit, and in the order sent; with small buckets both buffers are reused many times. A
 receiver that never joins makes the sender fail within `timeout_s`, naming the stage, the missing rank and the
-knob; a receiver that fails makes the sender stop at once with the receiver's error."""
+knob; a receiver that fails makes the sender stop at once with the receiver's error. The control store listens on
+loopback only."""
 
 from __future__ import annotations
 
@@ -98,3 +99,25 @@ def test_missing_receiver_times_out_naming_rank_stage_and_knob():
 def test_failing_receiver_stops_the_sender_with_its_error(transport):
     with pytest.raises(WeightSyncPeerError, match="rank 2: RuntimeError: cannot load this bucket"):
         run_sync(transport, failing_rank=2)
+
+
+def listening_addresses(port: int) -> list[str]:
+    """Hex local addresses of the sockets listening on `port` (Linux /proc tables; 0100007F is 127.0.0.1)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.readlines()[1:]:
+                local, state = row.split()[1], row.split()[3]
+                address, hex_port = local.rsplit(":", 1)
+                if int(hex_port, 16) == port and state == "0A":
+                    found.append(address)
+    return found
+
+
+def test_control_store_listens_on_loopback_only():
+    sender = make_sender("ipc", 2, BUCKET, 5.0)
+    spec = sender.prepare()
+    try:
+        assert listening_addresses(spec["port"]) == ["0100007F"]
+    finally:
+        sender.finalize(wait=False)
