@@ -93,6 +93,9 @@ INVALID = [
      "weight_sync.parameter_sync_step", "parameter_sync_step × actor.ppo_mini_batch_size"),
     (["trainer.mode=separate_async", "rollout.mode=standalone", "weight_sync.transport=nccl"],
      "rollout.nnodes", "needs a rollout pool with device slots"),
+    (["trainer.mode=colocate_async", "rollout.mode=colocated"], "rollout.mode", "needs rollout.mode=hybrid"),
+    (["trainer.mode=colocate_async", "weight_sync.staleness_threshold=-1"], "weight_sync.staleness_threshold",
+     ">= 0"),  # the async modes' own table: tests/unit/test_config_async_modes_reject_each_violation.py
     (["rollout.num_replicas=2"], "rollout.num_replicas", "exceed the trainer's 1 device slots"),
     (["rollout.gpu_memory_utilization=0"], "rollout.gpu_memory_utilization", "must be in (0, 1]"),
     (["+rollout.engine_kwargs.max_num_batched_tokens=0"], "rollout.engine_kwargs.max_num_batched_tokens",
