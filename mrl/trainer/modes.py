@@ -41,6 +41,7 @@ class AsyncTrainer(PPOTrainer):
             c.weight_sync.staleness_threshold,
             max_evictions_per_step=c.data.max_sample_rounds * c.data.train_batch_size if c.data.dynamic_sampling
             else None,
+            group_timeout_s=c.rollout.generate_timeout_s,
         )
         self.step_extra: dict[str, float] = {}
 

@@ -22,6 +22,7 @@ they regenerate on the restored weights).
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -51,19 +52,23 @@ class RolloutProducer:
         groups_per_step: int,
         staleness_threshold: int,
         max_evictions_per_step: int | None = None,
+        group_timeout_s: float | None = None,
     ) -> None:
         """`submit(prompt, index)` starts one group (index: a running count, for seeds) and returns the ref of its
         trajectories; `score(trajectories, [prompt])` sets each trajectory's `score`. `max_evictions_per_step`:
         with dynamic sampling, a step takes a short batch once this many groups were evicted while it waited
-        (the sync trainer's max_sample_rounds bound), instead of waiting forever on a task that is solved."""
+        (the sync trainer's max_sample_rounds bound), instead of waiting forever on a task that is solved.
+        `group_timeout_s` (rollout.generate_timeout_s): a group still unfinished after it fails the run, naming the
+        knob, rather than leaving the trainer waiting on it."""
         self.submit, self.score, self.prompts, self.buffer = submit, score, prompts, buffer
         self.n, self.groups_per_step, self.staleness_threshold = n, groups_per_step, staleness_threshold
-        self.max_evictions_per_step = max_evictions_per_step
+        self.max_evictions_per_step, self.group_timeout_s = max_evictions_per_step, group_timeout_s
         self.version = 0
         self.consumed = 0
         self.started = 0
         self._pending: deque[Prompt] = deque()  # drawn from the dataset (or re-issued), not yet submitted
-        self._in_flight: dict[ray.ObjectRef, tuple[Prompt, Prompt]] = {}  # ref -> (dataset row, submitted prompt)
+        # ref -> (dataset row, submitted prompt, start time)
+        self._in_flight: dict[ray.ObjectRef, tuple[Prompt, Prompt, float]] = {}
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -121,7 +126,7 @@ class RolloutProducer:
     def state_dict(self) -> dict[str, Any]:
         """The prompts drawn but not finished (in flight, pending): re-issued after a resume."""
         with self._cond:
-            rows = [*(row for row, _ in self._in_flight.values()), *self._pending]
+            rows = [*(row for row, _, _ in self._in_flight.values()), *self._pending]
             return {"reissue": [dict(r) for r in rows], "started": self.started}
 
     def load_state_dict(self, state: dict[str, Any], version: int) -> None:
@@ -148,6 +153,7 @@ class RolloutProducer:
                     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
                 for ref in ready:
                     self._collect(ref)
+                self._check_overdue()
         except BaseException as error:  # the trainer thread re-raises it from take()
             with self._cond:
                 self._error = error
@@ -162,14 +168,24 @@ class RolloutProducer:
                     self._pending.extend(next(self.prompts))
                 row = self._pending.popleft()
                 prompt = {**row, "uid": f"{row['uid']}@{uuid.uuid4().hex[:8]}"}
-                self._in_flight[self.submit(prompt, self.started)] = (row, prompt)
+                self._in_flight[self.submit(prompt, self.started)] = (row, prompt, time.monotonic())
                 self.started += 1
 
     def _collect(self, ref: ray.ObjectRef) -> None:
         trajectories = ray.get(ref)
-        _, prompt = self._in_flight[ref]
+        _, prompt, _ = self._in_flight[ref]
         self.score(trajectories, [prompt])  # also stamps each trajectory with the prompt's uid
         with self._cond:
             del self._in_flight[ref]
             self.buffer.add(trajectories, self.n)
             self._cond.notify_all()
+
+    def _check_overdue(self) -> None:
+        if self.group_timeout_s is None:
+            return
+        with self._cond:
+            now = time.monotonic()
+            late = [p["uid"] for _, p, start in self._in_flight.values() if now - start > self.group_timeout_s]
+        if late:
+            raise TimeoutError(f"rollout groups {late} did not finish within {self.group_timeout_s:g} s "
+                               "(rollout.generate_timeout_s)")

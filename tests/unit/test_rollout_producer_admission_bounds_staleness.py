@@ -1,7 +1,8 @@
 """The rollout producer's admission rule bounds staleness before any work is spent: in a simulated run (groups
 generate while the actor trains, versions advance per step) no group trains more than `staleness_threshold`
 versions after it started, whether generation is faster or slower than training, and with a threshold >= 1
-generation overlaps training. Prompts drawn but not trained on are re-issued first after a checkpoint load."""
+generation overlaps training. Prompts drawn but not trained on are re-issued first after a checkpoint load; a group
+that never finishes fails the run naming rollout.generate_timeout_s."""
 
 import itertools
 
@@ -82,3 +83,11 @@ def test_checkpoint_state_reissues_drawn_prompts_first():
     assert resumed.consumed == 6 and resumed.started == 4
     resumed._fill()
     assert submitted == ["p0", "p1", "p2", "p3"]  # the saved prompts, in order, before any new draw
+
+
+def test_a_group_past_the_generate_timeout_fails_naming_the_knob():
+    producer = RolloutProducer(lambda prompt, index: object(), lambda t, p: None, iter([rows(2)]), ReplayBuffer(),
+                               n=1, groups_per_step=1, staleness_threshold=0, group_timeout_s=0.0)
+    producer._fill()
+    with pytest.raises(TimeoutError, match=r"p0@\w+'\] did not finish within 0 s \(rollout\.generate_timeout_s\)"):
+        producer._check_overdue()
