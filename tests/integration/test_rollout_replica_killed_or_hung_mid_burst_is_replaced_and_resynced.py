@@ -26,7 +26,9 @@ from mrl.rollout.manager import LLMServerManager
 pytestmark = pytest.mark.integration
 
 PROMPTS, N, TOKENS = 6, 2, 24
-POLICY = FaultPolicy(health_check_interval_s=0.5, health_check_timeout_s=4.0, max_request_retries=3,
+# The probe limit must exceed what a busy replica needs to answer on a loaded 2-core machine (a healthy replica
+# must never be replaced), yet keep the hang test short.
+POLICY = FaultPolicy(health_check_interval_s=0.5, health_check_timeout_s=10.0, max_request_retries=3,
                      control_timeout_s=60.0)
 
 
@@ -69,7 +71,7 @@ def burst_with_fault(manager, loops, victim: int, sig: int) -> tuple[list[dict],
     os.kill(ray.get(replica.health())["pid"], sig)
     trajectories = ray.get(ref, timeout=180)
     retried = ray.get(worker.replica_failures.remote()) - failures_before
-    assert retried >= in_flight
+    assert retried >= 1  # calls running on the victim may still finish between the health read and the signal
     # What docs/reliability.md reports (pytest -s shows it).
     print(f"signal {sig}: {in_flight} calls in flight on the victim, {retried} retried, "
           f"{len(trajectories)} of {PROMPTS * N} sessions returned")
@@ -116,7 +118,8 @@ def test_killed_replica_is_replaced_and_resynced_to_weights_pushed_while_it_was_
 
 def test_hung_replica_times_out_its_health_check_and_its_calls_are_retried(pool, hf_models):
     manager, loops = pool
-    version = ray.get(manager.balancer.latest_weights.remote())[0]
+    version = next_version()
+    manager.update_weights(hf_models[1].state_dict().items(), version)
     victim = min(manager.replicas)
     restarts = manager.restarts[victim]
     frozen = ray.get(manager.replicas[victim].health())["pid"]
@@ -152,15 +155,16 @@ def test_a_control_call_to_a_hung_replica_fails_naming_replica_and_knob(pool):
     assert len(manager.health()) == 2  # resumed, it answers again
 
 
-def test_a_replacement_takes_the_pools_sleep_and_pause_state_before_it_serves(pool):
+def test_a_replacement_takes_the_pools_sleep_and_pause_state_before_it_serves(pool, hf_models):
     manager, _ = pool
-    version = ray.get(manager.balancer.latest_weights.remote())[0]
+    version = next_version()
+    manager.update_weights(hf_models[0].state_dict().items(), version)
     manager.sleep(2)
     manager.wake_up(["weights"])  # mid weight sync of a hybrid step: weights awake, KV cache still released
     manager.abort_all()
     victim = max(manager.replicas)
     restarts = manager.restarts[victim]
-    os.kill(ray.get(manager.replicas[victim].health())["pid"], signal.SIGKILL)
+    ray.kill(manager.replicas[victim].server)  # this time through Ray, not a signal
     wait_until(lambda: manager.restarts[victim] == restarts + 1, what="the replacement")
     wait_until(lambda: len(ray.get(manager.balancer.servers.remote())) == 2, what="the replacement to serve")
     states = {(h["version"], tuple(h["asleep"]), h["paused"]) for h in manager.health().values()}
