@@ -55,7 +55,7 @@ def test_a_silent_rank_fails_the_call_naming_method_rank_and_knob(group):
     message = str(info.value)
     assert "sleepy.nap" in message and "rank(s) [1] of 2" in message and "trainer.dispatch_timeout_s" in message
     assert "[0] did" in message
-    assert LIMIT_S <= waited < LIMIT_S + 10
+    assert LIMIT_S - 0.1 <= waited < LIMIT_S + 10  # ray.wait rounds its timeout
 
 
 def test_a_future_of_a_silent_rank_times_out_on_get(group):
@@ -65,7 +65,11 @@ def test_a_future_of_a_silent_rank_times_out_on_get(group):
 
 
 def test_a_worker_error_surfaces_before_the_limit(group):
-    start = time.monotonic()
-    with pytest.raises(ValueError, match="rank 0 failed on purpose"):
-        group.fail_or_nap(0, 30.0)
-    assert time.monotonic() - start < LIMIT_S
+    group.call_timeout_s = 30.0  # room for a loaded machine's round trips; rank 1 naps past it
+    try:
+        start = time.monotonic()
+        with pytest.raises(ValueError, match="rank 0 failed on purpose"):
+            group.fail_or_nap(0, 60.0)
+        assert time.monotonic() - start < 30.0
+    finally:
+        group.call_timeout_s = LIMIT_S
