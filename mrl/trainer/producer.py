@@ -56,8 +56,9 @@ class RolloutProducer:
     ) -> None:
         """`submit(prompt, index)` starts one group (index: a running count, for seeds) and returns the ref of its
         trajectories; `score(trajectories, [prompt])` sets each trajectory's `score`. `max_evictions_per_step`:
-        with dynamic sampling, a step takes a short batch once this many groups were evicted while it waited
-        (the sync trainer's max_sample_rounds bound), instead of waiting forever on a task that is solved.
+        with dynamic sampling, a step takes a short batch once this many groups were evicted since the previous
+        step took its groups (the sync trainer's max_sample_rounds bound), instead of waiting forever on a task that
+        is solved.
         `group_timeout_s` (rollout.generate_timeout_s): a group still unfinished after it fails the run, naming the
         knob, rather than leaving the trainer waiting on it."""
         self.submit, self.score, self.prompts, self.buffer = submit, score, prompts, buffer
@@ -66,6 +67,7 @@ class RolloutProducer:
         self.version = 0
         self.consumed = 0
         self.started = 0
+        self._evicted_at_last_take = 0
         self._pending: deque[Prompt] = deque()  # drawn from the dataset (or re-issued), not yet submitted
         # ref -> (dataset row, submitted prompt, start time)
         self._in_flight: dict[ray.ObjectRef, tuple[Prompt, Prompt, float]] = {}
@@ -97,16 +99,16 @@ class RolloutProducer:
     def take(self, num_groups: int, current_version: int, poll_s: float = 0.5) -> list[dict[str, Any]]:
         """Wait until `num_groups` groups not staler than the threshold are buffered; take them (oldest first)."""
         with self._cond:
-            evicted_at_start = self.buffer.evicted
             while True:
                 if self._error is not None:
                     raise RuntimeError("the rollout producer failed") from self._error
                 self.buffer.drop_stale(current_version)
                 short = (self.max_evictions_per_step is not None and len(self.buffer) > 0
-                         and self.buffer.evicted - evicted_at_start >= self.max_evictions_per_step)
+                         and self.buffer.evicted - self._evicted_at_last_take >= self.max_evictions_per_step)
                 if self.buffer.ready(num_groups) or short:
                     taken = self.buffer.sample(min(num_groups, len(self.buffer)))
                     self.consumed += len(taken) // self.n
+                    self._evicted_at_last_take = self.buffer.evicted
                     self._cond.notify_all()
                     return taken
                 self._cond.wait(poll_s)
@@ -136,6 +138,7 @@ class RolloutProducer:
             self.started = state.get("started", 0)  # sampling seeds follow it: no replayed seeds after a resume
             self.version = version
             self.consumed = version * self.groups_per_step
+            self._evicted_at_last_take = self.buffer.evicted  # the restored buffer's count: no budget spent yet
             self._cond.notify_all()
 
     # ---- producer thread --------------------------------------------------------------------------------------

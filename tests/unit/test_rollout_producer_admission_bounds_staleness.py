@@ -2,7 +2,8 @@
 generate while the actor trains, versions advance per step) no group trains more than `staleness_threshold`
 versions after it started, whether generation is faster or slower than training, and with a threshold >= 1
 generation overlaps training. Prompts drawn but not trained on are re-issued first after a checkpoint load; a group
-that never finishes fails the run naming rollout.generate_timeout_s."""
+that never finishes fails the run naming rollout.generate_timeout_s; with dynamic sampling a step takes a short
+batch once max_sample_rounds × B groups were evicted instead of waiting forever."""
 
 import itertools
 
@@ -91,3 +92,15 @@ def test_a_group_past_the_generate_timeout_fails_naming_the_knob():
     producer._fill()
     with pytest.raises(TimeoutError, match=r"p0@\w+'\] did not finish within 0 s \(rollout\.generate_timeout_s\)"):
         producer._check_overdue()
+
+
+def test_dynamic_sampling_takes_a_short_batch_once_the_eviction_budget_is_spent():
+    buffer = ReplayBuffer(filter_equal_rewards=True)
+    producer = RolloutProducer(lambda prompt, index: object(), lambda t, p: None, iter([rows(2)]), buffer, n=2,
+                               groups_per_step=2, staleness_threshold=1, max_evictions_per_step=2)
+    group = [{"uid": "kept", "score": s, "min_version": 0, "max_version": 0} for s in (0.0, 1.0)]
+    buffer.add(group, n=2)
+    for uid in ("solved-a", "solved-b"):  # all-equal rewards: evicted on arrival, as the producer adds them
+        buffer.add([{"uid": uid, "score": 1.0, "min_version": 0, "max_version": 0}] * 2, n=2)
+    assert [t["uid"] for t in producer.take(2, current_version=0, poll_s=0.01)] == ["kept", "kept"]
+    assert producer.consumed == 1
