@@ -156,6 +156,8 @@ class GatedMLP(Mapping):
         return torch.cat([gate[rows], up[rows]], dim=0)
 
     def merge(self, shards: Sequence[torch.Tensor], shape: ModelShape) -> torch.Tensor:
+        if len(shards) == 1:  # [gate; up] already: no copy (half the model's bytes at TP=1)
+            return shards[0]
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
 
