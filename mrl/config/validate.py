@@ -97,6 +97,7 @@ def _positive_sizes(cfg: DictConfig, _: bool) -> Iterator[Violation]:
         for key in PARALLEL_SIZES:
             yield from _at_least(cfg, f"{role}.megatron.{key}", 1)
         yield from _at_least(cfg, f"{role}.megatron.logprob_keep_logits_gib", 0.0)
+        yield from _at_least(cfg, f"{role}.megatron.logprob_chunk_tokens", 1)
 
 
 @rule

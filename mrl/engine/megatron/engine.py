@@ -58,7 +58,6 @@ class MegatronEngine(BaseEngine):
         max_tokens_per_micro_batch: int | None = None,
         total_steps: int = 1,
         seed: int = 1234,
-        logprob_chunk_tokens: int = logprob.DEFAULT_CHUNK_TOKENS,
         bridge_backend: str = "mrl",
     ) -> None:
         if micro_batch_size is None and max_tokens_per_micro_batch is None:
@@ -70,7 +69,7 @@ class MegatronEngine(BaseEngine):
         self.max_tokens = max_tokens_per_micro_batch
         self.total_steps = total_steps
         self.seed = seed
-        self.chunk_tokens = logprob_chunk_tokens
+        self.chunk_tokens = megatron.logprob_chunk_tokens
         self.bridge_backend = bridge_backend
         self.layout = ParallelLayout(
             tp=megatron.tensor_model_parallel_size,
