@@ -25,7 +25,9 @@ from mrl.rollout.manager import LLMServerManager
 
 pytestmark = pytest.mark.integration
 
-PROMPTS, N, TOKENS = 6, 2, 24
+# Responses long enough that the victim's calls outlive the gap between reading its in-flight count and the
+# signal (with 24 tokens an idle machine once finished them inside that gap, and nothing was left to retry).
+PROMPTS, N, TOKENS = 6, 2, 96
 # The probe limit must exceed what a busy replica needs to answer on a loaded 2-core machine (a healthy replica
 # must never be replaced), yet keep the hang test short.
 POLICY = FaultPolicy(health_check_interval_s=0.5, health_check_timeout_s=10.0, max_request_retries=3,
