@@ -6,6 +6,22 @@ client -> load-balancer actor -> Ray RPC -> RolloutServer actor -> adapter -> As
 AsyncLLM.generate in this process. The two alternate `--repeats` times per concurrency level so that load from
 other work on the machine hits both alike; the table reports medians and mrl / direct (goal >= 0.95).
 
+Measured 2026-11-29 on the 2-core CI host with nothing else running (tiny qwen2, defaults but --max-tokens):
+
+    max-tokens | mrl/direct at concurrency 1 / 8 / 32
+    128        | 0.932 / 0.965 / 0.927   (run 1)
+    128        | 0.936 / 1.001 / 0.870   (run 2)
+    384        | 0.970 / 0.963 / 1.004
+
+At 128 tokens a timed phase lasts only 0.3-0.6 s (430-480 tok/s at 1, ~7,500 at 32), so the fixed cost of a
+call (two Ray round trips: balancer acquire + server call; 8-9 ms vs 4 ms for a 1-token request direct) and
+noise (+-0.05 between runs at 8 and 32) weigh heavily; with 3x longer phases one run gave >= 0.96 at each level.
+Ruled out by measurement: niceness (every thread of the server, its engine core and worker runs at 0),
+thread counts (vLLM's auto-binding pins each engine's worker to core 0, same threads, on both paths), per-chunk
+work (both paths ask for FINAL_ONLY). CPU per 32-request phase: server 0.12 s + client 0.02-0.03 + balancer
+0.01-0.02, against 0.10 s for the driver direct, on two cores that the engine core (0.4 s, busy-polling) and
+its worker (0.5 s) already keep busy.
+
     python tools/bench/rollout.py [--repeats 5] [--concurrency 1 8 32] [--max-tokens 128] [--family qwen2]
 """
 
