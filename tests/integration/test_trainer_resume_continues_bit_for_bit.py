@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import shutil
 
 import pytest
 import torch
+from trainer_fixtures import prompt_file
 
 from mrl.config.loader import load_config
-from mrl.data.datasets import write_rows
 from mrl.models.tiny import make_tiny_hf_model
 from mrl.trainer import checkpointing
 from mrl.trainer.build import build_trainer, shutdown
@@ -50,12 +49,9 @@ class PoisonableTrainer(PPOTrainer):
 
 
 def config(root, run_dir: str):
-    rng = random.Random(3)
-    rows = [{"prompt": [{"role": "user", "content": " ".join(rng.choice("abcd") for _ in range(4))}],
-             "data_source": "test", "reward_model": {"ground_truth": "x"}, "extra_info": {"index": i}}
-            for i in range(6)]
     return load_config("tiny/grpo", [
-        f"model.path={root / 'model'}", f"data.train_files=[{write_rows(rows, root / 'train.jsonl')}]",
+        f"model.path={root / 'model'}",
+        f"data.train_files=[{prompt_file(root / 'train.jsonl', list('abcd'), 4, count=6, seed=3)}]",
         f"data.train_batch_size={B}", f"actor.ppo_mini_batch_size={M}", f"rollout.n={N}",
         "data.max_response_length=6", "rollout.name=hf", "actor.optim.lr=1e-2", "actor.optim.lr_decay_style=linear",
         "critic.enable=true", "algorithm.adv_estimator=gae", f"critic.ppo_mini_batch_size={M}",

@@ -8,16 +8,15 @@ test proves that case); what must hold is that nothing of the run's state is los
 
 from __future__ import annotations
 
-import random
 import shutil
 
 import numpy as np
 import pytest
 import torch
+from trainer_fixtures import prompt_file
 
 from mrl.config.loader import load_config
 from mrl.data.batch import Batch
-from mrl.data.datasets import write_rows
 from mrl.models.tiny import make_tiny_hf_model
 from mrl.trainer import checkpointing
 from mrl.trainer.build import build_trainer, shutdown
@@ -58,12 +57,9 @@ def same_rng(a: dict, b: dict) -> bool:
 
 
 def config(root, run_dir: str):
-    rng = random.Random(4)
-    rows = [{"prompt": [{"role": "user", "content": " ".join(rng.choice("abcdef") for _ in range(4))}],
-             "data_source": "test", "reward_model": {"ground_truth": "x"}, "extra_info": {"index": i}}
-            for i in range(6)]
     return load_config("tiny/grpo", [
-        f"model.path={root / 'model'}", f"data.train_files=[{write_rows(rows, root / 'train.jsonl')}]",
+        f"model.path={root / 'model'}",
+        f"data.train_files=[{prompt_file(root / 'train.jsonl', list('abcdef'), 4, count=6, seed=4)}]",
         f"data.train_batch_size={B}", f"actor.ppo_mini_batch_size={M}", f"rollout.n={N}",
         "data.max_response_length=8", "rollout.name=vllm", "rollout.num_replicas=1", "actor.optim.lr=1e-2",
         "trainer.total_training_steps=2", "trainer.save_freq=1", "trainer.resume_mode=auto",
