@@ -27,7 +27,9 @@ from typing import Any
 import torch
 
 TIMEOUT_KNOB = "weight_sync.timeout_s"
-_FIRST_PAUSE_S, _MAX_PAUSE_S = 1e-5, 1e-3  # polling of the control store (see Control.wait)
+# Polling of the control store (see Control.wait): pauses double from the first, but never exceed a twentieth of
+# the time already waited (a hand-over in a pipelined sync is noticed within ~5% of its wait) nor the maximum.
+_FIRST_PAUSE_S, _MAX_PAUSE_S, _PAUSE_FRACTION = 1e-5, 1e-3, 0.05
 
 
 class WeightSyncTimeout(TimeoutError):
@@ -95,7 +97,8 @@ class Control:
     def wait(self, stage: str, keys: dict[int, str], timeout_s: float | None = None) -> None:
         """Wait until every key exists ({rank that writes it: key}); raise naming the ranks whose key is missing."""
         limit = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + limit
+        start = time.monotonic()
+        deadline = start + limit
         pending = dict(keys)
         pause = _FIRST_PAUSE_S
         while True:
@@ -111,7 +114,8 @@ class Control:
             # Polling, not store.wait: a waiter must also notice a peer's error, and short pauses keep a
             # pipelined sync's hand-overs quick while long waits cost little CPU.
             time.sleep(pause)
-            pause = min(pause * 2, _MAX_PAUSE_S)
+            waited = time.monotonic() - start
+            pause = min(pause * 2, _MAX_PAUSE_S, max(_FIRST_PAUSE_S, _PAUSE_FRACTION * waited))
 
     def join(self) -> None:
         """Rendezvous: the sender waits for every receiver (so a missing one is named up front) and then lets

@@ -63,6 +63,13 @@ def broadcast(group: Any, tensor: torch.Tensor) -> Any:
     return group.broadcast([tensor], options)
 
 
+def connect(group: Any, device: torch.device) -> None:
+    """Create the communicator now: NCCL builds it lazily inside the first collective (hundreds of ms for two
+    GPUs), which would otherwise be paid inside the first bucket's broadcast and mistaken for transfer time."""
+    broadcast(group, torch.zeros(1, dtype=torch.uint8, device=device)).wait()
+    sync_device()
+
+
 class NcclSender(WeightSender):
     transport = "nccl"
 
@@ -81,6 +88,7 @@ class NcclSender(WeightSender):
         super().init_process_group()
         c = self.control
         self.group = new_group(c.store, c.prefix, 0, self.world_size, self.device, self.timeout_s)
+        connect(self.group, self.device)
 
     def _send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         c, works = self.control, [None] * NUM_BUFFERS
@@ -90,7 +98,8 @@ class NcclSender(WeightSender):
 
         count = k = 0
         for k, slot, entries, used in fill_buckets(named_tensors, self.buffers, before_reuse):
-            sync_device()
+            # No host sync before the announcement: the broadcast is queued behind the bucket's copies (the
+            # process group orders its stream after the current one), so the host only runs ahead.
             c.set({"entries": entries, "bytes": used}, "meta", k)
             works[slot] = (broadcast(self.group, self.buffers[slot][:used]), k)
             count += sum(start + nbytes == total for *_, nbytes, start, total in entries)
@@ -130,6 +139,7 @@ class NcclReceiver(WeightReceiver):
         super().init_process_group()
         c = self.control
         self.group = new_group(c.store, c.prefix, self.rank, self.spec["world_size"], self.device, c.timeout_s)
+        connect(self.group, self.device)
 
     def _post(self, k: int) -> tuple[dict[str, Any], Any]:
         meta = self.control.get(f"bucket {k} announced", "meta", k)

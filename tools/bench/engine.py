@@ -18,7 +18,8 @@
      materialised: (h Wᵀ).float() → log_softmax → gather   (what a naive trainer does)
      chunked:      mrl.engine.megatron.logprob.vocab_parallel_logprobs (forward; forward+backward with the
                    logits kept and recomputed)
-   Reported: bytes and chunked/materialised (goal ≤ 0.25).
+   Reported per token count and chunk size (default: the engine's defaults, logits kept within the engine's
+   default budget): bytes and chunked/materialised (goal ≤ 0.25).
 
 Prints tables and writes the raw results as JSON to --out. Usage: python tools/bench/engine.py --out r.json
 (`--smoke` runs tiny fp32 shapes on CPU to check the script itself).
@@ -272,7 +273,8 @@ def _kwargs(path: str) -> dict:
 
 
 def bench_logprob_memory(tokens: int, hidden: int, vocab: int, chunk: int) -> dict:
-    from mrl.engine.megatron.logprob import vocab_parallel_logprobs
+    """Peaks of one T-token log-prob pass: materialised vs chunked with the engine's keep budget and recomputing."""
+    from mrl.engine.megatron.logprob import DEFAULT_KEEP_LOGITS_BYTES, vocab_parallel_logprobs
 
     g = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -281,6 +283,7 @@ def bench_logprob_memory(tokens: int, hidden: int, vocab: int, chunk: int) -> di
     coeff = torch.randn(tokens, device="cuda", generator=g)
 
     def peak(fn: Any) -> int:
+        fn()  # warm-up: compiled kernels and their workspaces are not part of the path's steady state
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
@@ -310,11 +313,14 @@ def bench_logprob_memory(tokens: int, hidden: int, vocab: int, chunk: int) -> di
     with torch.no_grad():
         ref = torch.log_softmax((h @ w.t()).float(), -1).gather(-1, labels[:, None]).squeeze(-1)
         got, _ = vocab_parallel_logprobs(h, w, labels, chunk_tokens=chunk)
+    keep_default = DEFAULT_KEEP_LOGITS_BYTES
     out: dict[str, Any] = {
         "tokens": tokens,
         "hidden": hidden,
         "vocab": vocab,
         "chunk_tokens": chunk,
+        "keep_logits_gib": keep_default / 2**30,
+        "logits_kept": tokens * vocab * 2 <= keep_default,
         "fp32_logits_gib": tokens * vocab * 4 / 2**30,
         "max_abs_diff_vs_materialised": float((got - ref).abs().max()),
     }
@@ -322,7 +328,7 @@ def bench_logprob_memory(tokens: int, hidden: int, vocab: int, chunk: int) -> di
     fwd_c = peak(lambda: chunked(False, 0, "fwd"))
     out.update(fwd_materialised_gib=fwd_m / 2**30, fwd_chunked_gib=fwd_c / 2**30, fwd_ratio=fwd_c / fwd_m)
     bwd_m = peak(lambda: materialised(True))
-    for key, keep in (("recompute", 0), ("keep", 8 << 30)):
+    for key, keep in (("recompute", 0), ("default_keep", keep_default)):
         c = peak(lambda keep=keep, key=key: chunked(True, keep, key))
         out[f"fwd_bwd_{key}_gib"] = c / 2**30
         out[f"fwd_bwd_{key}_ratio"] = c / bwd_m
@@ -331,7 +337,19 @@ def bench_logprob_memory(tokens: int, hidden: int, vocab: int, chunk: int) -> di
         ]
         out[f"fwd_bwd_{key}_grad_rel_err"] = rel
     out["fwd_bwd_materialised_gib"] = bwd_m / 2**30
+    grads.clear()
     return out
+
+
+def print_memory_table(rows: list[dict]) -> None:
+    print("\n| tokens | chunk | fp32 logits GiB | fwd: materialised / chunked GiB (ratio) | fwd+bwd: materialised GiB "
+          "| chunked, default keep GiB (ratio) | chunked, recompute GiB (ratio) |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        kept = "kept" if r["logits_kept"] else "over budget: recomputed"
+        print(f"| {r['tokens']} | {r['chunk_tokens']} | {r['fp32_logits_gib']:.2f} | {r['fwd_materialised_gib']:.2f} / "
+              f"{r['fwd_chunked_gib']:.2f} ({r['fwd_ratio']:.3f}) | {r['fwd_bwd_materialised_gib']:.2f} | "
+              f"{r['fwd_bwd_default_keep_gib']:.2f} ({r['fwd_bwd_default_keep_ratio']:.3f}, {kept}) | "
+              f"{r['fwd_bwd_recompute_gib']:.2f} ({r['fwd_bwd_recompute_ratio']:.3f}) |")
 
 
 def print_tables(result: dict) -> None:
@@ -376,14 +394,14 @@ def main() -> None:
     parser.add_argument("--variant-workload", default="2x4096")
     parser.add_argument("--chunks", default="", help="extra log-prob chunk sizes timed as variants, e.g. 1024")
     parser.add_argument("--profile", default="", help="shapes whose step is profiled")
-    parser.add_argument("--logprob-tokens", type=int, default=8192)
-    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--logprob-tokens", default="8192,16384", help="token counts of the memory table")
+    parser.add_argument("--logprob-chunks", default="", help="chunk sizes of the memory table (default: engine's)")
     parser.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on CPU: checks the script only")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not cuda() and not args.smoke:
         raise SystemExit("tools/bench/engine.py needs CUDA (or --smoke)")
-    shapes = ["smoke"] if args.smoke else args.shapes.split(",")
+    shapes = ["smoke"] if args.smoke else [s for s in args.shapes.split(",") if s]
     workloads = SMOKE_WORKLOADS if args.smoke else {k: WORKLOADS[k] for k in args.workloads.split(",")}
     vocab = 512 if args.smoke else VOCAB
     variant_workload = "4x2048" if args.smoke else args.variant_workload
@@ -394,8 +412,16 @@ def main() -> None:
         "models": {},
     }
     if cuda():
-        result["logprob_memory"] = bench_logprob_memory(args.logprob_tokens, 1024, vocab, args.chunk)
-        print(json.dumps(result["logprob_memory"]), flush=True)
+        from mrl.engine.megatron.logprob import DEFAULT_CHUNK_TOKENS
+
+        chunks = [int(c) for c in args.logprob_chunks.split(",") if c] or [DEFAULT_CHUNK_TOKENS]
+        result["logprob_memory"] = []
+        for tokens in (int(t) for t in args.logprob_tokens.split(",")):
+            for chunk in chunks:
+                result["logprob_memory"].append(bench_logprob_memory(tokens, 1024, vocab, chunk))
+                print(json.dumps(result["logprob_memory"][-1]), flush=True)
+                torch.cuda.empty_cache()
+        print_memory_table(result["logprob_memory"])
     from mrl.utils.distributed import launch
 
     for shape in shapes:
