@@ -4,6 +4,13 @@ On GPU the buffers are device memory shared by CUDA IPC handles; on CPU they are
 both sides (`torch.from_file(shared=True)`). The sender fills bucket k+1 into one buffer while the receivers load
 bucket k from the other, straight from the mapped memory (views, no staging copy); a buffer is refilled only after
 every receiver has acknowledged the bucket it carried.
+
+On GPU the hand-overs are ordered on the device, not by host syncs: the sender records a shared (interprocess)
+event after a bucket's copies and announces the bucket at once; a receiver's stream waits on that event before
+its loads and records its own "loaded" event before it acknowledges; the sender's stream waits on those before it
+refills the buffer. So neither host blocks on the GPU inside the sync, and the sender's Python work of bucket k+1
+(export, packing calls) overlaps the copies of bucket k. A receiver's loader must issue its copies on the current
+stream (vLLM's weight loaders do); the receiver synchronises once, before it reports done.
 """
 
 from __future__ import annotations
@@ -22,6 +29,10 @@ from mrl.weight_sync.buckets import BucketReader, fill_buckets
 NUM_BUFFERS = 2
 
 
+def shared_event() -> Any:
+    return torch.cuda.Event(enable_timing=False, interprocess=True)
+
+
 def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
@@ -34,6 +45,8 @@ class IpcSender(WeightSender):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.buffers: list[torch.Tensor] = []
         self._files: list[str] = []
+        self.filled: list[Any] = []  # CUDA only: per buffer, recorded by the sender after a bucket's copies
+        self.loaded: list[list[Any]] = []  # CUDA only: per buffer and receiver, recorded after its loads
 
     def _prepare(self) -> dict[str, Any]:
         if self.device.type == "cuda":
@@ -42,7 +55,12 @@ class IpcSender(WeightSender):
             self.buffers = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device)
                             for _ in range(NUM_BUFFERS)]
             uuid = str(torch.cuda.get_device_properties(self.device).uuid)
-            return {"device": "cuda", "gpu": uuid, "handles": [share_cuda_buffer(b) for b in self.buffers]}
+            with torch.cuda.device(self.device):  # an event's handle is created on the current device
+                self.filled = [shared_event() for _ in range(NUM_BUFFERS)]
+                self.loaded = [[shared_event() for _ in range(1, self.world_size)] for _ in range(NUM_BUFFERS)]
+                events = {"filled_events": [e.ipc_handle() for e in self.filled],
+                          "loaded_events": [[e.ipc_handle() for e in per_slot] for per_slot in self.loaded]}
+            return {"device": "cuda", "gpu": uuid, "handles": [share_cuda_buffer(b) for b in self.buffers], **events}
         for i in range(NUM_BUFFERS):
             path = os.path.join(_shm_dir(), f"{self.control.prefix}_{i}")
             with open(path, "wb") as f:
@@ -58,10 +76,15 @@ class IpcSender(WeightSender):
         def before_reuse(k: int) -> None:
             old = k - NUM_BUFFERS
             c.wait(f"bucket {old} acknowledged", {r: c.key("ack", old, r) for r in receivers})
+            for event in self.loaded[k % NUM_BUFFERS] if self.loaded else ():
+                torch.cuda.current_stream(self.device).wait_event(event)
 
         count = k = 0
         for k, slot, entries, _ in fill_buckets(named_tensors, self.buffers, before_reuse):
-            sync_device()
+            if self.filled:
+                self.filled[slot].record(torch.cuda.current_stream(self.device))
+            else:
+                sync_device()  # e.g. device tensors copied into host shared memory
             c.set({"slot": slot, "entries": entries}, "meta", k)
             count += sum(start + nbytes == total for *_, nbytes, start, total in entries)
             k += 1
@@ -71,7 +94,7 @@ class IpcSender(WeightSender):
         return count
 
     def _finalize(self) -> None:
-        self.buffers = []
+        self.buffers, self.filled, self.loaded = [], [], []
         for path in self._files:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)  # mappings stay valid until their tensors are freed
@@ -91,7 +114,12 @@ class IpcReceiver(WeightReceiver):
                     f"{spec['gpu']}; ipc shares memory on one device only (use nccl for other devices)"
                 )
             self.buffers = [open_cuda_buffer(h) for h in spec["handles"]]
+            device = torch.cuda.current_device()
+            self.filled = [torch.cuda.Event.from_ipc_handle(device, h) for h in spec["filled_events"]]
+            self.loaded = [torch.cuda.Event.from_ipc_handle(device, per_slot[rank - 1])
+                           for per_slot in spec["loaded_events"]]
         else:
+            self.filled = self.loaded = []
             size = spec["bucket_bytes"]
             self.buffers = [torch.from_file(p, shared=True, size=size, dtype=torch.uint8) for p in spec["files"]]
 
@@ -101,12 +129,19 @@ class IpcReceiver(WeightReceiver):
             meta = c.get(f"bucket {k} announced", "meta", k)
             if meta.get("end"):
                 break
-            yield reader.read(self.buffers[meta["slot"]], meta["entries"])
-            sync_device()  # the loads issued by the caller have read the buffer
+            slot = meta["slot"]
+            if self.filled:
+                torch.cuda.current_stream().wait_event(self.filled[slot])
+            yield reader.read(self.buffers[slot], meta["entries"])
+            if self.loaded:
+                self.loaded[slot].record()  # the sender's stream waits on it before refilling this buffer
+            else:
+                sync_device()  # the loads issued by the caller have read the buffer
             c.set(1, "ack", k, self.rank)
             k += 1
         reader.check_complete()
 
     def finalize(self) -> None:
-        self.buffers = []
+        sync_device()  # every load has read the buffers before the sender may free them
+        self.buffers, self.filled, self.loaded = [], [], []
         super().finalize()

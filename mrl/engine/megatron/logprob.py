@@ -61,10 +61,12 @@ def _chunk_sums(z: Tensor, m: Tensor, local: Tensor) -> Tensor:
     return torch.stack([e.sum(-1), (e * zf).sum(-1), target])
 
 
-def _logit_grad(
+def _logit_grad_(
     z: Tensor, lse: Tensor, mean_z: Tensor, local: Tensor, g_logp: Tensor | None, g_ent: Tensor | None
 ) -> Tensor:
-    """∂loss/∂z of a [T, V_b] block in z's dtype (the formula of the module docstring)."""
+    """∂loss/∂z of a [T, V_b] block (the formula of the module docstring), written over z and returned: the
+    block's logits are not needed afterwards, and the gradient then takes no memory of its own (compiled on CUDA,
+    this is one kernel reading and writing z in place)."""
     zf = z.float()
     p = torch.exp(zf - lse[:, None])
     dz = torch.zeros_like(zf)
@@ -73,7 +75,7 @@ def _logit_grad(
         dz = dz + torch.where(cols[None, :] == local[:, None], g_logp[:, None], 0.0) - g_logp[:, None] * p
     if g_ent is not None:
         dz = dz - g_ent[:, None] * p * (zf - mean_z[:, None])
-    return dz.to(z.dtype)
+    return z.copy_(dz)
 
 
 @functools.cache
@@ -104,6 +106,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
             s, ez, target = _all_reduce(sums(z, m, local[a:b]), dist.ReduceOp.SUM, group)
             lse_c = m + torch.log(s)
             logp[a:b], ent[a:b], lse[a:b] = target - lse_c, lse_c - ez / s, lse_c
+            del z  # before the next chunk's GEMM allocates: one chunk of logits alive at a time, not two
         # Unused outputs (entropy, usually) then reach backward as None and cost nothing.
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(h, w, labels, lse, ent, kept)
@@ -118,17 +121,20 @@ class _VocabParallelLogProb(torch.autograd.Function):
         grad_w = torch.empty_like(w) if ctx.needs_input_grad[1] else None
         local = labels - ctx.vocab_start
         mean_z = lse - ent
-        logit_grad = _kernel(_logit_grad, h)
+        logit_grad = _kernel(_logit_grad_, h)
         # Vocabulary blocks holding about as many logits as a forward chunk, in multiples of 128 columns.
         block = min(v, max(128, -(-ctx.chunk * v // max(t, 1) // 128) * 128))
         for a in range(0, v, block):
             b = min(a + block, v)
+            # The kept logits are overwritten by their gradient: this backward runs once (no retain_graph in
+            # training), and the peak stays at the kept logits instead of kept + one gradient block.
             z = kept[:, a:b] if kept is not None else torch.mm(h, w[a:b].t())
             dz = logit_grad(z, lse, mean_z, local - a, g_logp, g_ent)
             if grad_h is not None:
                 grad_h += torch.mm(dz, w[a:b]).float()
             if grad_w is not None:
                 torch.mm(dz.t(), h, out=grad_w[a:b])
+            del z, dz  # before the next block's GEMM allocates
         return (grad_h.to(h.dtype) if grad_h is not None else None), grad_w, None, None, None, None, None
 
 
