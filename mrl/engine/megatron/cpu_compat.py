@@ -61,7 +61,6 @@ def apply() -> list[str]:
         _patch_moe_split_sizes,
         _patch_torch_norm_sequence_parallel,
         _patch_uneven_gather,
-        _patch_p2p_tags,
     ):
         _applied.append(patch())
     return applied()
@@ -274,36 +273,3 @@ def _patch_uneven_gather() -> str:
     mappings._gather_along_first_dim = gather
     mappings._reduce_scatter_along_first_dim = reduce_scatter
     return "uneven all-gather/reduce-scatter padded for gloo"
-
-
-def _patch_p2p_tags() -> str:
-    # With PP=2 a rank's previous and next stage are the same peer. gloo matches isend/irecv between two ranks by
-    # (peer, tag) in posting order, and Megatron posts [send_prev, recv_prev, send_next, recv_next] untagged on
-    # both sides, so the interleaved (VPP) schedule receives a gradient into an activation buffer (same shape,
-    # silently wrong). Tag each direction: activations flow prev→next (tag 1), gradients next→prev (tag 2).
-    import megatron.core.pipeline_parallel.p2p_communication as p2p
-
-    def batched(
-        *,
-        tensor_send_prev,
-        tensor_recv_prev,
-        tensor_send_next,
-        tensor_recv_next,
-        group,
-        prev_pipeline_rank,
-        next_pipeline_rank,
-    ):
-        ops = [
-            dist.P2POp(op, tensor, peer, group, tag)
-            for op, tensor, peer, tag in (
-                (dist.isend, tensor_send_prev, prev_pipeline_rank, 2),
-                (dist.irecv, tensor_recv_prev, prev_pipeline_rank, 1),
-                (dist.isend, tensor_send_next, next_pipeline_rank, 1),
-                (dist.irecv, tensor_recv_next, next_pipeline_rank, 2),
-            )
-            if tensor is not None
-        ]
-        return dist.batch_isend_irecv(ops) if ops else []
-
-    p2p._batched_p2p_ops = batched
-    return "pipeline p2p ops tagged by direction for gloo"

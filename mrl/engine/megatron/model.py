@@ -66,6 +66,11 @@ def runtime_config(
         moe_router_fusion=False,
         moe_grouped_gemm=False,  # local spec: SequentialMLP; TEGroupedMLP only with TE
         moe_token_dispatcher_type="alltoall",
+        # With PP=2 a stage's previous and next stage are one peer. The batched p2p path posts both directions to
+        # it in one group and NCCL (like gloo without tags) pairs sends with receives in posting order, so the
+        # interleaved schedule would receive a gradient into an activation buffer of the same shape (a wrong loss
+        # seen on two H200s). The unbatched path sends the two directions through two communicators.
+        batch_p2p_comm=not (layout.pp == 2 and (layout.vpp or 1) > 1),
     )
     fields.update(overrides)
     return fields
