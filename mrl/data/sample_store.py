@@ -3,10 +3,14 @@
 Two kinds of Ray actors: `StorageUnit`s hold values (a key lives on unit hash(key) mod #units, so puts and gets
 spread out), and one `MetadataService` holds each key's tags (e.g. step, uid, status) so the driver can select
 keys without touching data. `SampleStore` is the picklable client every process uses.
+
+A value may be a dict of fields (a trajectory's per-token tensors, mrl/data/samples.py): `get(keys, fields)` ships
+only the fields asked for, and `update` adds fields to stored values (a worker's outputs under the sample's key).
 """
 
 from __future__ import annotations
 
+import importlib
 import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -15,18 +19,35 @@ import ray
 
 
 class StorageUnit:
-    def __init__(self) -> None:
+    def __init__(self, preload: Sequence[str] = ()) -> None:
+        # Values arrive pickled: a unit deserialising its first tensor imports torch, which costs seconds on a busy
+        # host and would stall the puts of the trajectories that finish first. `preload` pays it at start-up.
+        for module in preload:
+            importlib.import_module(module)
         self.data: dict[str, Any] = {}
 
     def put(self, items: dict[str, Any]) -> int:
         self.data.update(items)
         return len(items)
 
-    def get(self, keys: Sequence[str]) -> list[Any]:
+    def get(self, keys: Sequence[str], fields: Sequence[str] | None = None) -> list[Any]:
         missing = [k for k in keys if k not in self.data]
         if missing:
             raise KeyError(f"sample store: no values for keys {missing[:8]}")
-        return [self.data[k] for k in keys]
+        if fields is None:
+            return [self.data[k] for k in keys]
+        absent = sorted({f for k in keys for f in fields if f not in self.data[k]})
+        if absent:
+            raise KeyError(f"sample store: fields {absent} missing from some of the keys {list(keys)[:8]}")
+        return [{f: self.data[k][f] for f in fields} for k in keys]
+
+    def update(self, fields_by_key: dict[str, dict[str, Any]]) -> int:
+        missing = [k for k in fields_by_key if k not in self.data]
+        if missing:
+            raise KeyError(f"sample store: cannot add fields to absent keys {missing[:8]}")
+        for key, fields in fields_by_key.items():
+            self.data[key] = {**self.data[key], **fields}
+        return len(fields_by_key)
 
     def delete(self, keys: Sequence[str]) -> int:
         return sum(self.data.pop(k, None) is not None for k in keys)
@@ -47,6 +68,9 @@ class MetadataService:
         """Keys whose tags match every (tag, value) of `where`, in insertion order."""
         return [k for k, t in self.tags.items() if all(t.get(name) == v for name, v in where.items())]
 
+    def size(self) -> int:
+        return len(self.tags)
+
     def tags_of(self, keys: Sequence[str]) -> list[dict[str, Any]]:
         return [dict(self.tags[k]) for k in keys]
 
@@ -61,9 +85,15 @@ class SampleStore:
         self.metadata = metadata
 
     @classmethod
-    def create(cls, num_units: int = 2) -> SampleStore:
+    def create(cls, num_units: int = 2, preload: Sequence[str] = ("torch",)) -> SampleStore:
+        """Start the actors (non-blocking; `wait_ready`). `preload`: modules the values need, imported at start."""
         unit = ray.remote(StorageUnit).options(num_cpus=0)
-        return cls([unit.remote() for _ in range(num_units)], ray.remote(MetadataService).options(num_cpus=0).remote())
+        return cls([unit.remote(tuple(preload)) for _ in range(num_units)],
+                   ray.remote(MetadataService).options(num_cpus=0).remote())
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Block until every actor of the store has started and answers this process."""
+        ray.get([u.size.remote() for u in self.units] + [self.metadata.size.remote()], timeout=timeout_s)
 
     def _unit_of(self, key: str) -> int:
         return zlib.crc32(key.encode()) % len(self.units)
@@ -76,16 +106,38 @@ class SampleStore:
 
     def put(self, items: dict[str, Any], tags: dict[str, dict[str, Any]] | None = None) -> list[str]:
         """Store values by key (values first, then tags, so a key that can be selected can always be read)."""
-        refs = [self.units[u].put.remote({k: items[k] for k in ks}) for u, ks in self._by_unit(items).items()]
-        ray.get(refs)
+        ray.get(self._put_refs(items))
         ray.get(self.metadata.register.remote({k: (tags or {}).get(k, {}) for k in items}))
         return list(items)
 
-    def get(self, keys: Sequence[str]) -> list[Any]:
+    async def put_async(self, items: dict[str, Any], tags: dict[str, dict[str, Any]] | None = None) -> list[str]:
+        """`put` from a coroutine (an agent-loop actor): awaits instead of blocking the event loop."""
+        for ref in self._put_refs(items):
+            await ref
+        await self.metadata.register.remote({k: (tags or {}).get(k, {}) for k in items})
+        return list(items)
+
+    def _put_refs(self, items: dict[str, Any]) -> list[Any]:
+        return [self.units[u].put.remote({k: items[k] for k in ks}) for u, ks in self._by_unit(items).items()]
+
+    def get(self, keys: Sequence[str], fields: Sequence[str] | None = None) -> list[Any]:
+        """Values in the order of `keys`; with `fields`, only those entries of each (dict) value."""
         groups = self._by_unit(keys)
-        fetched = dict(zip(groups, ray.get([self.units[u].get.remote(ks) for u, ks in groups.items()])))
+        refs = [self.units[u].get.remote(ks, None if fields is None else list(fields)) for u, ks in groups.items()]
+        fetched = dict(zip(groups, ray.get(refs)))
         values = {k: v for u, ks in groups.items() for k, v in zip(ks, fetched[u])}
         return [values[k] for k in keys]
+
+    def update(self, fields_by_key: dict[str, dict[str, Any]]) -> None:
+        """Add (or replace) fields of stored dict values: {key: {field: value}}."""
+        refs = [self.units[u].update.remote({k: fields_by_key[k] for k in ks})
+                for u, ks in self._by_unit(fields_by_key).items()]
+        ray.get(refs)
+
+    def size(self) -> dict[str, int]:
+        """Keys held by the storage units and by the metadata service (both 0 once every step cleaned up)."""
+        return {"values": sum(ray.get([u.size.remote() for u in self.units])),
+                "tags": ray.get(self.metadata.size.remote())}
 
     def select(self, **where: Any) -> list[str]:
         return ray.get(self.metadata.select.remote(where))

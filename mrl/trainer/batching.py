@@ -1,7 +1,6 @@
-"""Driver-side data shaping between the stages: trajectories → `Batch`, DP balance, scalar advantages, metrics.
-
-Token fields of the batch are jagged and aligned with `input_ids` = prompt + response; prompt positions carry
-mask 0 and log-prob 0.0, so every per-token field has one layout from the agent loop to the engine.
+"""Driver-side shaping between the stages, on scalar columns only (the light batch of mrl/data/samples.py): DP
+balance by sequence length, outcome advantages per sample, and the step's log-prob mismatch from every rank's.
+Per-token work runs on the workers (mrl/workers/token_level.py).
 """
 
 from __future__ import annotations
@@ -12,30 +11,7 @@ from typing import Any
 import torch
 
 from mrl.algo.advantages import ADV_ESTIMATORS, AdvantageConfig
-from mrl.algo.kl import KLController, apply_kl_penalty
-from mrl.algo.rollout_correction import mismatch_metrics
 from mrl.data.batch import Batch
-from mrl.data.jagged import JaggedTensor
-from mrl.reward.placement import place_on_last_token
-
-
-def trajectories_to_batch(trajectories: list[dict[str, Any]]) -> Batch:
-    ids, mask, lps = [], [], []
-    for t in trajectories:
-        p = len(t["prompt_ids"])
-        ids.append(torch.tensor(t["prompt_ids"] + t["response_ids"], dtype=torch.long))
-        mask.append(torch.tensor([0] * p + t["response_mask"], dtype=torch.float32))
-        lps.append(torch.tensor([0.0] * p + t["rollout_log_probs"], dtype=torch.float32))
-    return Batch.from_dict(
-        {
-            "input_ids": JaggedTensor.from_list(ids),
-            "response_mask": JaggedTensor.from_list(mask),
-            "rollout_log_probs": JaggedTensor.from_list(lps),
-            "score": torch.tensor([float(t["score"]) for t in trajectories]),
-            "prompt_len": torch.tensor([len(t["prompt_ids"]) for t in trajectories]),
-            "uid": [t["uid"] for t in trajectories],
-        }
-    )
 
 
 def balance_order(lengths: list[int], chunks: int) -> list[int]:
@@ -67,42 +43,13 @@ def scalar_advantages(batch: Batch, estimator: str, config: AdvantageConfig) -> 
     return out.advantages[:, 0]
 
 
-def token_advantages_and_returns(
-    batch: Batch, estimator: str, config: AdvantageConfig, rewards: torch.Tensor | None = None
-) -> dict[str, JaggedTensor]:
-    """Any estimator on the padded full-sequence layout (GAE needs it; the others come here with token-level
-    rewards): prompt positions are masked, and the estimators treat masked tokens as absent. Without `rewards`,
-    the score sits on each sample's last model token."""
-    mask, lengths = batch.as_padded("response_mask")
-    values = batch.as_padded("values")[0] if "values" in batch else None
-    if rewards is None:
-        rewards = place_on_last_token(batch["score"].float(), mask)
-    out = ADV_ESTIMATORS.get(estimator)(rewards, mask, index=list(batch["uid"]), values=values, config=config)
-    return {
-        "advantages": JaggedTensor.from_padded(out.advantages, lengths),
-        "returns": JaggedTensor.from_padded(out.returns, lengths),
-    }
-
-
-def kl_penalized_rewards(batch: Batch, kl_ctrl: KLController, kl_type: str) -> tuple[torch.Tensor, dict[str, float]]:
-    """[n, L] token rewards on the padded layout: the score on the last model token, minus β·kl_t on every model
-    token, with kl_t the `kl_type` estimate of KL(π_old ‖ π_ref) and β the controller's value, which this call
-    then updates from the measured KL. Metrics: the measured KL and the β applied."""
-    mask, _ = batch.as_padded("response_mask")
-    old, _ = batch.as_padded("old_log_probs")
-    ref, _ = batch.as_padded("ref_log_prob")
-    scores = place_on_last_token(batch["score"].float(), mask)
-    out = apply_kl_penalty(scores, old, ref, mask, kl_ctrl, kl_type)
-    return out.token_level_rewards, {"actor/reward_kl_penalty": out.metrics["actor/reward_kl_penalty"],
-                                     "actor/reward_kl_coef": out.metrics["actor/reward_kl_penalty_coeff"]}
-
-
-def response_tokens(batch: Batch) -> int:
-    return int(batch.jagged_field("response_mask").values.sum())
-
-
-def logprob_mismatch(batch: Batch) -> dict[str, float]:
-    old, _ = batch.as_padded("old_log_probs")
-    rollout, _ = batch.as_padded("rollout_log_probs")
-    mask, _ = batch.as_padded("response_mask")
-    return {f"rollout/{k}": v for k, v in mismatch_metrics(old, rollout, mask).items()}
+def mismatch_over_ranks(per_rank: list[dict[str, Any]]) -> dict[str, float]:
+    """The step's `rollout/*` mismatch metrics from every DP rank's `rank_mismatch` (mrl/workers/token_level.py):
+    token-weighted means, the max of the maxima."""
+    ranks = [r for r in per_rank if r["tokens"] > 0]  # a rank of no-op rows only has no mean
+    if not ranks:
+        return {}
+    tokens = sum(r["tokens"] for r in ranks)
+    out = {k: sum(r[k] * r["tokens"] for r in ranks) / tokens for k in ("logprob_mismatch", "mismatch_kl")}
+    out["logprob_abs_diff_max"] = max(r["logprob_abs_diff_max"] for r in ranks)
+    return {f"rollout/{k}": v for k, v in out.items()}

@@ -114,14 +114,19 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
     for ready in engines_ready:
         ready.get()
     actor_rollout.set_rollout(rollout)
+    agent_loops = AgentLoopManager(
+        c.rollout.agent_loop_workers, tokenizer_path, rollout.balancer, c.rollout.agent_loop,
+        c.data.max_response_length, list(c.rollout.tools), c.rollout.max_turns, policy,
+        fully_async=c.trainer.mode != "sync",
+    )
+    for group in (actor_rollout, critic):  # workers fetch and write per-token data by key (mrl/data/samples.py)
+        if group is not None:
+            group.set_store(agent_loops.store)
     parts = TrainerParts(
         actor_rollout=actor_rollout,
         rollout=rollout,
-        agent_loops=AgentLoopManager(
-            c.rollout.agent_loop_workers, tokenizer_path, rollout.balancer, c.rollout.agent_loop,
-            c.data.max_response_length, list(c.rollout.tools), c.rollout.max_turns, policy,
-            fully_async=c.trainer.mode != "sync",
-        ),
+        agent_loops=agent_loops,
+        store=agent_loops.store,
         tokenizer=tokenizer,
         train_data=train_data,
         val_data=val_data,

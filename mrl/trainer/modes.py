@@ -10,7 +10,8 @@
   sequence (mrl/weight_sync/state_machine.py) moves the weights and resumes generation.
 
 Both take each step's groups from the producer's replay buffer, which drops groups staler than
-`weight_sync.staleness_threshold` versions; the step's metrics carry the staleness distribution.
+`weight_sync.staleness_threshold` versions; the step's metrics carry the staleness distribution. Buffered groups'
+tokens stay in the sample store until a step trains them (or the buffer drops them); a checkpoint saves them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import ray
 
 from mrl.config.schema import MrlConfig
+from mrl.data.batch import Batch
 from mrl.data.replay_buffer import ReplayBuffer
 from mrl.trainer.metrics import RunLogger
 from mrl.trainer.ppo_trainer import PPOTrainer, TrainerParts
@@ -61,6 +63,10 @@ class AsyncTrainer(PPOTrainer):
 
     def on_sample_end(self) -> None:
         return None  # leftovers stay buffered: they are the next step's (bounded-staleness) data
+
+    def release_samples(self, batch: Batch) -> None:
+        with self.producer.lock:  # the producer thread discards groups (evicted, stale) into the buffer's list
+            super().release_samples(batch)
 
     def on_step_end(self, metrics: dict[str, Any]) -> None:
         metrics.update(self.step_extra)

@@ -4,6 +4,10 @@ each under a named timer, then weight sync stamped with `global_steps`, validati
 
 Modes differ only in hooks (`on_sample_begin/end`, `sync_weights`, `on_step_end`): the async trainers subclass
 and override those, never `step()`. Hybrid replicas sleep after sampling and wake around the weight sync.
+
+The driver never holds per-token data: agent loops put each trajectory's tokens into the sample store and return
+a light record (key + scalar tags); the step moves a batch of store keys and scalar columns, workers fetch and
+write per-token fields by key, and the step's samples leave the store when it ends (mrl/data/samples.py).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from mrl.config.schema import MrlConfig
 from mrl.data.batch import Batch
 from mrl.data.datasets import RLDataset
 from mrl.data.replay_buffer import ReplayBuffer, pad_with_noops
+from mrl.data.sample_store import SampleStore
+from mrl.data.samples import light_batch
 from mrl.reward.evaluator import RewardEvaluator, RewardItem
 from mrl.trainer import batching, checkpointing
 from mrl.trainer.metrics import ModelFlops, RunLogger, StageTimer, perf_metrics, staleness_metrics
@@ -40,6 +46,7 @@ class TrainerParts:
     val_data: RLDataset | None
     reward: RewardEvaluator
     critic: Any = None
+    store: SampleStore | None = None  # where trajectories' per-token data lives (the agent loops' store)
 
 
 TOKEN_LEVEL_ESTIMATORS = ("gae",)
@@ -95,24 +102,25 @@ class PPOTrainer:
             self.on_sample_begin()
             trajectories = self.sample()  # stage 1 + 2: rollout, then reward (timed inside as "reward")
             self.on_sample_end()
-        batch = self.to_training_batch(trajectories)
+        batch = self.to_training_batch(trajectories)  # store keys + scalar columns
         with t("balance"):
             batch = self.balance(batch)
         with t("old_log_prob"):
-            batch = self.compute_old_log_prob(batch)
+            mismatch = self.compute_old_log_prob(batch)
         if self.use_reference:
             with t("ref"):
-                batch = batch.union(self.parts.actor_rollout.compute_ref_log_prob(self.inputs(batch)))
+                self.parts.actor_rollout.compute_ref_log_prob(batch)
         if self.parts.critic is not None:
             with t("values"):
-                batch = batch.union(self.parts.critic.compute_values(self.inputs(batch)))
+                self.parts.critic.compute_values(batch)
         with t("adv"):
             batch = self.compute_advantage(batch)
         if self.parts.critic is not None:
             with t("update_critic"):
-                critic_out = self.parts.critic.update_critic(self.critic_inputs(batch), self.num_critic_updates)
+                critic_out = self.parts.critic.update_critic(batch, self.num_critic_updates)
         with t("update_actor"):
-            actor_out = self.parts.actor_rollout.update_actor(self.actor_inputs(batch), self.num_updates)
+            actor_out = self.parts.actor_rollout.update_actor(batch, self.num_updates)
+        self.release_samples(batch)
         self.global_steps += 1
         steps = actor_out[0]["steps"]
         self.updates_all_skipped = bool(steps) and all(not s["update_ok"] for s in steps)
@@ -124,7 +132,7 @@ class PPOTrainer:
                 self.save_checkpoint()
         with t("update_weights"):
             self.sync_weights()
-        metrics = self.step_metrics(batch, trajectories, actor_out)
+        metrics = self.step_metrics(trajectories, actor_out, mismatch)
         if self.parts.critic is not None:
             metrics.update(mean_over_updates(critic_out))
         if c.trainer.test_freq > 0 and self.global_steps % c.trainer.test_freq == 0 and self.parts.val_data:
@@ -182,51 +190,54 @@ class PPOTrainer:
         return self.buffer.sample(min(want, len(self.buffer)))
 
     def score(self, trajectories: list[dict[str, Any]], prompts: list[dict[str, Any]]) -> None:
-        """Decode each response's model tokens and score it (trajectories: consecutive groups, one per prompt);
-        the prompt's fields ride along for the dump."""
+        """Score each response's text (decoded from its model tokens by the agent loop; trajectories: consecutive
+        groups, one per prompt); the prompt's fields ride along for the dump."""
         n = len(trajectories) // len(prompts)
         items = []
         for k, traj in enumerate(trajectories):
             prompt = prompts[k // n]
             traj.update(uid=prompt["uid"], messages=prompt["messages"], ground_truth=prompt["ground_truth"])
-            model_ids = [i for i, m in zip(traj["response_ids"], traj["response_mask"]) if m]
-            traj["response_text"] = self.parts.tokenizer.decode(model_ids, skip_special_tokens=True)
             items.append(RewardItem(traj["response_text"], prompt["ground_truth"], prompt["data_source"],
                                     prompt["extra_info"]))
         for traj, result in zip(trajectories, self.parts.reward.evaluate_sync(items)):
             traj["score"] = result.score
 
     def to_training_batch(self, trajectories: list[dict[str, Any]]) -> Batch:
-        """No-op samples make the count divisible by DP × updates (actor and critic), so every rank makes the
-        same updates."""
+        """The step's light batch (store keys and scalar columns). No-op samples make the count divisible by
+        DP × updates (actor and critic), so every rank makes the same updates."""
         multiple = self.dp_size * math.lcm(self.num_updates, self.num_critic_updates)
-        return batching.trajectories_to_batch(pad_with_noops(trajectories, multiple))
+        return light_batch(pad_with_noops(trajectories, multiple))
 
     def balance(self, batch: Batch) -> Batch:
-        lengths = batch.jagged_field("input_ids").lengths().tolist()
-        return batch[batching.balance_order(lengths, self.dp_size)]
+        return batch[batching.balance_order(batch["length"].tolist(), self.dp_size)]
 
-    def compute_old_log_prob(self, batch: Batch) -> Batch:
-        if not self.config.rollout.recompute_old_log_prob:  # bypass: the rollout's log-probs are π_old
-            batch["old_log_probs"] = batch.jagged_field("rollout_log_probs")
-            return batch
-        return batch.union(self.parts.actor_rollout.compute_log_prob(self.inputs(batch)))
+    def compute_old_log_prob(self, batch: Batch) -> dict[str, float]:
+        """π_old of every token into the store (by the actor); returns the rollout-vs-trainer mismatch metrics."""
+        if not self.config.rollout.recompute_old_log_prob:
+            # bypass: the workers read the rollout's log-probs as π_old, so the two agree exactly
+            return {"rollout/logprob_mismatch": 1.0, "rollout/mismatch_kl": 0.0, "rollout/logprob_abs_diff_max": 0.0}
+        return batching.mismatch_over_ranks(self.parts.actor_rollout.compute_log_prob(batch))
 
     def compute_advantage(self, batch: Batch) -> Batch:
-        """Outcome estimators give one scalar per sample (`advantage`); GAE needs the critic's per-token values
-        and gives per-token `advantages` and `returns`."""
+        """Outcome estimators give one scalar per sample (`advantage`, a column of the light batch); GAE (the
+        critic's per-token values) and KL-in-reward are per-token: one worker computes `advantages` and
+        `returns` into the store, and the KL controller comes back updated."""
         estimator = self.config.algorithm.adv_estimator
-        rewards = None
-        if self.kl_ctrl is not None:  # token-level rewards: score − β·KL(π_old ‖ π_ref); β then updated
-            rewards, self.kl_metrics = batching.kl_penalized_rewards(batch, self.kl_ctrl,
-                                                                     self.config.algorithm.kl_penalty)
-        if estimator in TOKEN_LEVEL_ESTIMATORS or rewards is not None:
-            for key, value in batching.token_advantages_and_returns(batch, estimator, self.adv_config,
-                                                                    rewards).items():
-                batch[key] = value
+        if estimator in TOKEN_LEVEL_ESTIMATORS or self.kl_ctrl is not None:
+            self.kl_metrics, self.kl_ctrl = self.parts.actor_rollout.compute_token_advantages(
+                batch, estimator, self.adv_config, self.kl_ctrl, self.config.algorithm.kl_penalty)
         else:
             batch["advantage"] = batching.scalar_advantages(batch, estimator, self.adv_config)
         return batch
+
+    def release_samples(self, batch: Batch) -> None:
+        """The step is trained: its samples (and those of groups the buffer discarded) leave the store."""
+        self.store.delete(sorted(set(batch["key"]) | set(self.buffer.take_discarded())))
+
+    @property
+    def store(self) -> SampleStore:
+        assert self.parts.store is not None, "TrainerParts.store: the sample store of the agent loops"
+        return self.parts.store
 
     # ---- checkpoints (mrl/trainer/checkpointing.py: layout, atomic commit, which one to resume) -------------
     def save_checkpoint(self) -> str:
@@ -248,14 +259,20 @@ class PPOTrainer:
         self.restore_trainer_state(checkpointing.load_trainer_state(path))
 
     def trainer_state(self) -> dict[str, Any]:
-        """The driver's part of a checkpoint (async modes add their rollout producer's)."""
+        """The driver's part of a checkpoint (async modes add their rollout producer's). Groups still buffered are
+        saved with their payloads from the store: a resumed run trains on exactly those tokens."""
+        keys = self.buffer.keys()
         return {"global_steps": self.global_steps, "dataloader": self.prompts.state_dict(), "buffer": self.buffer,
-                "rng": rng_state(), "kl_ctrl": self.kl_ctrl}
+                "payloads": dict(zip(keys, self.store.get(keys))) if keys else {}, "rng": rng_state(),
+                "kl_ctrl": self.kl_ctrl}
 
     def restore_trainer_state(self, state: dict[str, Any]) -> None:
         self.global_steps = state["global_steps"]
         self.prompts.load_state_dict(state["dataloader"])
         self.buffer = state["buffer"]
+        self.buffer.take_discarded()  # keys of the saved run's store, not this one's
+        if state.get("payloads"):
+            self.store.put(state["payloads"])
         set_rng_state(state["rng"])
         if self.kl_ctrl is not None and state.get("kl_ctrl") is not None:  # the adaptive β carries on
             self.kl_ctrl = state["kl_ctrl"]
@@ -296,6 +313,7 @@ class PPOTrainer:
         for i in range(0, len(prompts), batch_size):
             chunk = prompts[i : i + batch_size]
             trajectories = self.parts.agent_loops.generate(chunk, n, sampling)
+            self.store.delete([t["key"] for t in trajectories])  # scored from its text; never trained on
             self.score(trajectories, chunk)
             out += trajectories
         return out
@@ -329,22 +347,11 @@ class PPOTrainer:
         seed = self.config.trainer.seed * 1_000_003 + self.global_steps * 10_007 + (0 if train else 7)
         return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "logprobs": True, "seed": seed}
 
-    @staticmethod
-    def inputs(batch: Batch) -> Batch:
-        return batch.select(["input_ids"])
-
-    def actor_inputs(self, batch: Batch) -> Batch:
-        keys = ["input_ids", "response_mask", "old_log_probs", "advantages" if "advantages" in batch else "advantage"]
-        return batch.select(keys + (["ref_log_prob"] if self.config.actor.use_kl_loss else []))
-
-    @staticmethod
-    def critic_inputs(batch: Batch) -> Batch:
-        return batch.select(["input_ids", "response_mask", "values", "returns"])
-
-    def step_metrics(self, batch: Batch, trajectories: list[dict[str, Any]], actor_out: list[dict]) -> dict:
+    def step_metrics(self, trajectories: list[dict[str, Any]], actor_out: list[dict],
+                     mismatch: dict[str, float]) -> dict:
         real = [t for t in trajectories if not t.get("is_noop")]
         scores = torch.tensor([t["score"] for t in real])
-        gen_tokens = sum(sum(t["response_mask"]) for t in real)
+        gen_tokens = sum(t["model_tokens"] for t in real)
         metrics: dict[str, Any] = {
             "reward/mean": float(scores.mean()),
             "response_length/mean": gen_tokens / max(len(real), 1),
@@ -354,7 +361,7 @@ class PPOTrainer:
         }
         metrics.update(mean_over_updates(actor_out, prefix="actor"))
         metrics.update(self.kl_metrics)
-        metrics.update(batching.logprob_mismatch(batch))
+        metrics.update(mismatch)
         # global_steps already counts this step's update: the policy that sampled and trained is one version back.
         metrics.update(staleness_metrics(real, self.global_steps - 1))
         self.logger.dump_rollouts(self.global_steps, [
@@ -369,7 +376,7 @@ class PPOTrainer:
         memory = self.parts.actor_rollout.memory_stats()
         if self.parts.critic is not None:
             memory += self.parts.critic.memory_stats()
-        return perf_metrics(batch.jagged_field("input_ids").lengths().tolist(), seconds, memory, self.flops,
+        return perf_metrics(batch["length"].tolist(), seconds, memory, self.flops,
                             self.config.trainer.peak_tflops_per_device, trainer_devices=self.trainer_devices,
                             run_devices=self.num_devices, actor_epochs=self.config.actor.ppo_epochs)
 

@@ -6,8 +6,11 @@ the same chunk, results come back from TP 0 of the last stage. Read-only calls (
 `compute_ref_log_prob`) accept dispatch padding; `update_actor` never does: the trainer sends counts that divide
 the DP size and the number of updates (no-op samples with an all-zero response mask).
 
-Token fields travel as jagged fields of a `Batch` aligned with `input_ids` (prompt + response): `response_mask`
-(1 on model tokens), `advantages`, `old_log_probs`, `ref_log_prob`; log-prob t scores token t (DESIGN.md).
+Group methods receive the step's light batch (store keys and scalar columns, mrl/data/samples.py), fetch the
+per-token fields of their rows from the sample store by key, and write their per-token outputs (`old_log_probs`,
+`ref_log_prob`, token-level `advantages`/`returns`) back under the same keys; only scalars return to the driver.
+Token fields are jagged and aligned with `input_ids` (prompt + response): `response_mask` (1 on model tokens),
+`rollout_log_probs`, …; log-prob t scores token t (DESIGN.md).
 """
 
 from __future__ import annotations
@@ -17,13 +20,17 @@ from typing import Any
 import torch
 
 from mrl.algo.actor_loss import ActorLossConfig, actor_loss
+from mrl.algo.advantages import AdvantageConfig
+from mrl.algo.kl import KLController
 from mrl.algo.policy_loss import PolicyLossConfig
 from mrl.config.schema import ActorConfig, MrlConfig
-from mrl.controller import Dispatch, Worker, nd_compute, register
+from mrl.controller import Dispatch, Execute, Worker, nd_compute, register
 from mrl.data.batch import Batch
 from mrl.data.jagged import JaggedTensor
+from mrl.data.samples import write_back
 from mrl.utils.phase_memory import phase_memory, tracks_memory
-from mrl.workers.training_worker import TrainingWorker, jagged_from_flat, to_engine_batch
+from mrl.workers.token_level import rank_mismatch, token_advantages, token_level_advantages
+from mrl.workers.training_worker import StoreClient, TrainingWorker, jagged_from_flat, to_engine_batch
 
 ACTOR_MESH = "actor"
 POLICY_LOSS_NAMES = {"ppo_clip": "vanilla"}  # config name → algorithm library name (others pass through)
@@ -61,14 +68,7 @@ def make_actor_loss_fn(config: ActorLossConfig) -> Any:
     return loss_fn
 
 
-def token_advantages(batch: Batch) -> JaggedTensor:
-    """The driver's per-sample `advantage` placed on every model token (0 on prompt and tool tokens)."""
-    mask = batch.jagged_field("response_mask")
-    per_token = torch.repeat_interleave(batch["advantage"].float(), mask.lengths())
-    return JaggedTensor(per_token * mask.values, mask.offsets)
-
-
-class ActorRolloutRefWorker(Worker):
+class ActorRolloutRefWorker(StoreClient, Worker):
     def __init__(self, config: MrlConfig, with_ref: bool = False) -> None:
         super().__init__()
         # Several roles and the rollout share a few cores: one intra-op thread per process.
@@ -109,6 +109,11 @@ class ActorRolloutRefWorker(Worker):
             self.ref = TrainingWorker(self._engine(trainable=False))
         self.register_mesh(ACTOR_MESH, self.actor.engine.mesh())
 
+    @property
+    def old_log_prob_field(self) -> str:
+        # Bypass (rollout.recompute_old_log_prob=false): the rollout's log-probs are π_old.
+        return "old_log_probs" if self.config.rollout.recompute_old_log_prob else "rollout_log_probs"
+
     @register(Dispatch.ONE_TO_ALL)
     def set_rollout(self, rollout: Any) -> None:
         """The rollout manager (LLMServerManager) that `update_weights` pushes to."""
@@ -116,32 +121,61 @@ class ActorRolloutRefWorker(Worker):
 
     @register(nd_compute(ACTOR_MESH), pad=True)
     @tracks_memory("old_log_prob")
-    def compute_log_prob(self, batch: Batch, entropy: bool = False) -> Batch:
-        """`old_log_probs` (and `entropy`) of every token under the current actor."""
-        return self._infer(self.actor, batch, {"log_probs": "old_log_probs", "entropy": "entropy"}, entropy)
+    def compute_log_prob(self, batch: Batch) -> dict[str, float]:
+        """`old_log_probs` of every token under the current actor, into the store; returns this rank's
+        rollout-vs-trainer mismatch (`rank_mismatch`)."""
+        fetched = self.fetch(batch, ["input_ids", "response_mask", "rollout_log_probs"])
+        fetched["old_log_probs"] = self._infer(self.actor, fetched)
+        self.write(batch, fetched, ["old_log_probs"])
+        return rank_mismatch(fetched)
 
     @register(nd_compute(ACTOR_MESH), pad=True)
     @tracks_memory("ref")
-    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+    def compute_ref_log_prob(self, batch: Batch) -> None:
+        """`ref_log_prob` of every token under the reference policy, into the store."""
         if self.ref is None:
             raise RuntimeError("compute_ref_log_prob: this worker was built without a reference policy")
-        return self._infer(self.ref, batch, {"log_probs": "ref_log_prob"}, False)
+        fetched = self.fetch(batch, ["input_ids"])
+        fetched["ref_log_prob"] = self._infer(self.ref, fetched)
+        self.write(batch, fetched, ["ref_log_prob"])
 
-    def _infer(self, role: TrainingWorker | None, batch: Batch, names: dict[str, str], entropy: bool) -> Batch:
+    def _infer(self, role: TrainingWorker | None, batch: Batch) -> JaggedTensor:
         assert role is not None, "init_model first"
-        outputs = role.infer_batch(to_engine_batch(batch, ["input_ids"]), entropy=entropy)
-        like = batch.jagged_field("input_ids")
-        return Batch.from_dict({names[k]: jagged_from_flat(v, like) for k, v in outputs.items()})
+        outputs = role.infer_batch(to_engine_batch(batch, ["input_ids"]))
+        return jagged_from_flat(outputs["log_probs"], batch.jagged_field("input_ids"))
+
+    def write(self, light: Batch, fetched: Batch, fields: list[str]) -> None:
+        """Only the rank whose outputs dispatch collects (TP 0, last PP stage) writes them to the store."""
+        if self.mesh(ACTOR_MESH).is_collect:
+            write_back(self.store, light, {f: fetched.jagged_field(f) for f in fields})
+
+    @register(Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO)
+    def compute_token_advantages(self, batch: Batch, estimator: str, config: AdvantageConfig,
+                                 kl_ctrl: KLController | None, kl_type: str
+                                 ) -> tuple[dict[str, float], KLController | None]:
+        """Token-level `advantages` and `returns` (GAE; any estimator with KL-in-reward) of the whole step's
+        batch, into the store, on one rank (group estimators need whole groups; the KL coefficient needs the
+        batch's KL). Returns the KL metrics and the controller after its update."""
+        fields = ["response_mask"] + (["values"] if self.config.critic.enable else [])
+        fields += ["old_log_probs", "ref_log_prob"] if kl_ctrl is not None else []
+        fetched = self.fetch(batch, fields)
+        outputs, metrics = token_level_advantages(fetched, estimator, config, kl_ctrl, kl_type)
+        write_back(self.store, batch, outputs)
+        return metrics, kl_ctrl
 
     @register(nd_compute(ACTOR_MESH))
     @tracks_memory("update_actor")
     def update_actor(self, batch: Batch, num_updates: int) -> dict[str, Any]:
-        """`num_updates` optimizer updates over this DP rank's share (× ppo_epochs); their metrics and count."""
+        """`num_updates` optimizer updates over this DP rank's share (× ppo_epochs); their metrics and count.
+        Outcome estimators send one `advantage` per sample, spread here over model tokens; token-level ones left
+        `advantages` in the store."""
         assert self.actor is not None, "init_model first"
-        if "advantages" not in batch:  # outcome estimators send one scalar per sample
+        keys = ["input_ids", "response_mask", "old_log_probs"]
+        keys += ["ref_log_prob"] if self.config.actor.use_kl_loss else []
+        batch = self.fetch(batch, keys + ([] if "advantage" in batch else ["advantages"]))
+        if "advantage" in batch:
             batch["advantages"] = token_advantages(batch)
-        keys = ["input_ids", "response_mask", "advantages", "old_log_probs"]
-        keys += ["ref_log_prob"] if "ref_log_prob" in batch else []
+        keys.append("advantages")
         before = self.actor.updates
         steps = self.actor.train_batch(
             to_engine_batch(batch, keys), self.loss_fn, num_updates, epochs=self.config.actor.ppo_epochs

@@ -18,10 +18,11 @@ from mrl.algo.value_loss import clipped_value_loss
 from mrl.config.schema import MrlConfig
 from mrl.controller import Dispatch, Worker, nd_compute, register
 from mrl.data.batch import Batch
+from mrl.data.samples import write_back
 from mrl.engine.megatron.engine import MegatronEngine
 from mrl.engine.megatron.packing import PackedMicroBatch, shift_to_tokens
 from mrl.utils.phase_memory import phase_memory, tracks_memory
-from mrl.workers.training_worker import TrainingWorker, jagged_from_flat, to_engine_batch
+from mrl.workers.training_worker import StoreClient, TrainingWorker, jagged_from_flat, to_engine_batch
 
 CRITIC_MESH = "critic"
 VALUE_ROW = 0
@@ -67,7 +68,9 @@ def make_value_loss_fn(cliprange_value: float, loss_agg_mode: str) -> Any:
     return loss_fn
 
 
-class CriticWorker(Worker):
+class CriticWorker(StoreClient, Worker):
+    """Like the actor's roles, it fetches its rows by key from the sample store and writes `values` back there."""
+
     def __init__(self, config: MrlConfig) -> None:
         super().__init__()
         torch.set_num_threads(1)
@@ -94,16 +97,21 @@ class CriticWorker(Worker):
 
     @register(nd_compute(CRITIC_MESH), pad=True)
     @tracks_memory("values")
-    def compute_values(self, batch: Batch) -> Batch:
+    def compute_values(self, batch: Batch) -> None:
+        """`values` of every token, into the store (written by the rank dispatch collects)."""
         assert self.critic is not None, "init_model first"
-        out = self.critic.infer_batch(to_engine_batch(batch, ["input_ids"]))
-        return Batch.from_dict({"values": jagged_from_flat(out["values"], batch.jagged_field("input_ids"))})
+        fetched = self.fetch(batch, ["input_ids"])
+        out = self.critic.infer_batch(to_engine_batch(fetched, ["input_ids"]))
+        if self.mesh(CRITIC_MESH).is_collect:
+            values = jagged_from_flat(out["values"], fetched.jagged_field("input_ids"))
+            write_back(self.store, batch, {"values": values})
 
     @register(nd_compute(CRITIC_MESH))
     @tracks_memory("update_critic")
     def update_critic(self, batch: Batch, num_updates: int) -> dict[str, Any]:
         assert self.critic is not None, "init_model first"
         keys = ["input_ids", "response_mask", "values", "returns"]
+        batch = self.fetch(batch, keys)
         before = self.critic.updates
         steps = self.critic.train_batch(to_engine_batch(batch, keys), self.loss_fn, num_updates)
         return {"updates": self.critic.updates - before, "steps": steps}

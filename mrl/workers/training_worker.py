@@ -14,8 +14,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mrl.controller import Dispatch, register
 from mrl.data.batch import Batch
 from mrl.data.jagged import JaggedTensor
+from mrl.data.samples import fetch
 from mrl.engine.base import BaseEngine, LossFn
 
 
@@ -32,6 +34,26 @@ def to_engine_batch(batch: Batch, token_keys: list[str]) -> Any:
             raise ValueError(f"token field {key!r} is not aligned with input_ids")
         fields[key] = field.values
     return JaggedBatch(offsets, fields)
+
+
+class StoreClient:
+    """What the worker roles share on the sample path: the store handle, and fetching a light batch's per-token
+    fields by key (mrl/data/samples.py)."""
+
+    store: Any = None
+    # The store field read when a role asks for "old_log_probs" (the actor's bypass mode reads the rollout's).
+    old_log_prob_field = "old_log_probs"
+
+    @register(Dispatch.ONE_TO_ALL)
+    def set_store(self, store: Any) -> None:
+        self.store = store
+
+    def fetch(self, batch: Batch, fields: list[str]) -> Batch:
+        old = self.old_log_prob_field
+        out = fetch(self.store, batch, [old if f == "old_log_probs" else f for f in fields])
+        if "old_log_probs" in fields and old != "old_log_probs":
+            out["old_log_probs"] = out.jagged_field(old)
+        return out
 
 
 class TrainingWorker:

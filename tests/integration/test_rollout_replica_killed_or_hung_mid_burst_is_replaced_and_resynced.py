@@ -83,7 +83,7 @@ def burst_with_fault(manager, loops, victim: int, sig: int) -> tuple[list[dict],
 def assert_exactly_once(trajectories: list[dict], version: int) -> None:
     sessions = Counter(t["session_id"] for t in trajectories)
     assert sessions == Counter(f"p{k}-{i}" for k in range(PROMPTS) for i in range(N)), "lost or duplicated"
-    assert all(len(t["response_ids"]) == TOKENS and t["stop_reason"] == "length" for t in trajectories)
+    assert all(t["response_len"] == TOKENS and t["stop_reason"] == "length" for t in trajectories)
     assert {t["min_version"] for t in trajectories} == {t["max_version"] for t in trajectories} == {version}
     buffer = ReplayBuffer()
     for t in trajectories:

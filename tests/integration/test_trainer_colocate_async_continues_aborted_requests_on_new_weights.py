@@ -58,10 +58,10 @@ def test_long_groups_are_aborted_and_continue_on_the_new_weights(run):
     trainer, metrics, _ = run
     assert metrics[0]["partial_rollout/aborted_requests"] > 0
     first, second = trainer.taken
-    assert all(len(t["response_ids"]) == 1 and t["max_version"] == 0 for t in first)  # the short groups
+    assert all(t["response_len"] == 1 and t["max_version"] == 0 for t in first)  # the short groups
     spanning = [t for t in second if t["min_version"] < t["max_version"]]
     assert spanning and all((t["min_version"], t["max_version"]) == (0, 1) for t in spanning)
-    assert all(len(t["response_ids"]) == LONG for t in spanning)  # nothing lost across the abort
+    assert all(t["response_len"] == LONG for t in spanning)  # nothing lost across the abort
     assert all(m["staleness/max"] <= trainer.config.weight_sync.staleness_threshold for m in metrics)
 
 
@@ -86,6 +86,8 @@ def test_resume_reissues_the_prompts_in_flight_at_the_checkpoint_first(run):
     try:
         assert resumed.resume() == path and resumed.global_steps == STEPS
         assert len(resumed.buffer) == len(saved["buffer"])  # finished groups come back with the buffer
+        # ... and with their tokens, saved from the sample store (the resumed trainer puts them back there)
+        assert set(saved["payloads"]) == set(saved["buffer"].keys())
         resumed.step()
         assert resumed.submitted[: len(reissue)] == reissue
     finally:

@@ -2,9 +2,11 @@
 (hybrid, on the first slot), agent loops, reward, weight sync.
 
 Proves: rollout.n multiplies samples, not updates (B/M optimizer updates per step, counted on the workers);
-token fidelity (the batch's response ids are the ids the engine returns for the same prompt and seed); the
-trainer's old log-probs equal the rollout's at step 0 (same weights) within 1e-4; weights reach the replica
-stamped with global_steps.
+token fidelity (the response ids the workers train on are the ids the engine returns for the same prompt and
+seed); the trainer's old log-probs equal the rollout's at step 0 (same weights) within 1e-4; weights reach the
+replica stamped with global_steps. The sample path: the driver holds records and a batch of store keys and scalar
+columns only, the workers fetch by key and write their outputs (old log-probs) back under it, and the store is
+empty once a step is done.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import random
 
 import pytest
 import torch
+from trainer_fixtures import KeepsStepTensors, assert_no_token_data
 
 from mrl.config.loader import load_config
 from mrl.data.datasets import write_rows
@@ -31,8 +34,9 @@ def odd_length_reward(solution_str, ground_truth, extra_info=None) -> float:
     return float(len(solution_str) % 2)
 
 
-class RecordingTrainer(PPOTrainer):
-    """Keeps each step's trajectories and training batch for the assertions (no behaviour change)."""
+class RecordingTrainer(KeepsStepTensors, PPOTrainer):
+    """Keeps each step's records, light batch and (from the store) tensors for the assertions, and the store's
+    size after each step (no behaviour change)."""
 
     def sample(self):
         self.trajectories = super().sample()
@@ -41,6 +45,11 @@ class RecordingTrainer(PPOTrainer):
     def to_training_batch(self, trajectories):
         self.batch = super().to_training_batch(trajectories)
         return self.batch
+
+    def step(self):
+        metrics = super().step()
+        self.store_sizes = [*getattr(self, "store_sizes", []), self.store.size()]
+        return metrics
 
 
 @pytest.fixture(scope="module")
@@ -91,26 +100,42 @@ def test_old_log_probs_match_rollout_at_step_zero(two_steps):
     assert abs(first["rollout/logprob_mismatch"] - 1.0) <= 1e-4
 
 
-def test_batch_response_ids_are_the_engine_output_ids(trainer, two_steps):
+def test_training_tokens_are_the_engine_output_ids(trainer, two_steps):
     _, _, trajectories, batch = two_steps
-    ids = batch.as_list("input_ids")
-    mask = batch.as_list("response_mask")
-    real = [i for i, uid in enumerate(batch["uid"]) if not str(uid).startswith("noop-")]
-    assert len(real) == len(trajectories)
-    by_uid_seed = {(t["uid"], t["seed"]): t for t in trajectories}
-    assert len(by_uid_seed) == len(trajectories)
-    for t in trajectories:  # the batch holds prompt + response exactly, response positions masked in
-        row = next(i for i in real if ids[i].tolist() == t["prompt_ids"] + t["response_ids"])
-        assert mask[row][len(t["prompt_ids"]):].tolist() == [1.0] * len(t["response_ids"])
+    tensors = trainer.step_tensors[0]  # what the workers fetched by key in step 1
+    assert sorted(tensors["key"]) == sorted(batch["key"])  # the step's rows (balanced into another order)
+    by_key = {k: i for i, k in enumerate(tensors["key"]) if not tensors["is_noop"][i]}
+    assert len(by_key) == len(trajectories)
+    for t in trajectories:  # prompt + response as the loop stored it, response positions masked in
+        row = by_key[t["key"]]
+        ids, mask = tensors.as_list("input_ids")[row], tensors.as_list("response_mask")[row]
+        assert len(ids) == t["prompt_len"] + t["response_len"]
+        assert mask.tolist() == [0.0] * t["prompt_len"] + [1.0] * t["response_len"]
     # A trajectory from the agent loops, replayed straight on the engine (same prompt ids, seed and weights):
-    # the loop hands on the engine's ids and log-probs untouched.
+    # the loop stores the engine's ids and log-probs untouched.
     client = trainer.parts.rollout.client()
     t = trajectories[0]
     params = {**trainer.sampling(train=True), "max_tokens": trainer.config.data.max_response_length}
     fresh = trainer.parts.agent_loops.generate([{"messages": t["messages"], "uid": "replay"}], 1, params)[0]
-    replay = asyncio.run(client.generate("replay-check", fresh["prompt_ids"], {**params, "seed": fresh["seed"]}))
-    assert replay.token_ids == fresh["response_ids"]
-    assert torch.allclose(torch.tensor(replay.log_probs), torch.tensor(fresh["rollout_log_probs"]), atol=1e-6)
+    (stored,) = trainer.store.get([fresh["key"]])
+    trainer.store.delete([fresh["key"]])
+    p = fresh["prompt_len"]
+    replay = asyncio.run(client.generate("replay-check", stored["input_ids"][:p].tolist(),
+                                         {**params, "seed": fresh["seed"]}))
+    assert replay.token_ids == stored["input_ids"][p:].tolist()
+    assert torch.allclose(torch.tensor(replay.log_probs), stored["rollout_log_probs"][p:], atol=1e-6)
+
+
+def test_driver_moves_keys_and_scalars_and_the_store_empties_after_each_step(trainer, two_steps):
+    _, _, trajectories, batch = two_steps
+    assert_no_token_data(trajectories)
+    assert batch.jagged == {} and set(batch.keys()) <= {"key", "uid", "score", "length", "is_noop", "advantage"}
+    # the actor's workers wrote old log-probs under each key (step 0: equal to the rollout's on model tokens)
+    tensors = trainer.step_tensors[0]
+    mask = tensors.jagged_field("response_mask").values.bool()
+    old, rollout = tensors.jagged_field("old_log_probs").values, tensors.jagged_field("rollout_log_probs").values
+    assert mask.any() and torch.allclose(old[mask], rollout[mask], atol=1e-4)
+    assert trainer.store_sizes == [{"values": 0, "tags": 0}] * 2
 
 
 def test_weight_sync_stamps_the_replica_with_global_steps(trainer, two_steps):

@@ -1,6 +1,6 @@
 """PPO with a critic and a KL loss to a reference policy: a Megatron value engine (value head = a row of the
 output layer) in its own worker group on the trainer's slot, the reference engine beside the actor in the actor's
-workers, GAE on the driver, HF rollout replica (hybrid).
+workers, GAE on a worker (per-token values and returns never reach the driver), HF rollout replica (hybrid).
 
 Proves: the critic makes B/M updates per step and its values move; with γ = λ = 1 the GAE returns on every model
 token equal the trajectory's score (less the reward's KL penalty, ~0 at step 1), and prompt tokens carry none; before
@@ -8,7 +8,8 @@ any update the reference log-probs equal the actor's (two engines of the same we
 term enters the actor loss; the adaptive KL-in-reward controller moves β; `fit()` writes metrics.jsonl and
 tensorboard events with the same scalars, including throughput, MFU, memory per phase and staleness. Settings that
 shape the run: total_training_steps=null runs total_epochs passes over the prompts (8 // B = 2 steps), validation
-goes val_batch_size prompts at a time, and free_cache_engine=false keeps the replica awake through training.
+goes val_batch_size prompts at a time, and free_cache_engine=false keeps the replica awake through training. The
+sample store is empty after the run (each step deletes its samples, validation its trajectories).
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from trainer_fixtures import KeepsStepTensors
 
 from mrl.config.loader import load_config
+from mrl.data.batch import Batch
 from mrl.data.datasets import write_rows
 from mrl.models.tiny import make_tiny_hf_model
 from mrl.trainer.build import build_trainer, shutdown
@@ -35,11 +38,7 @@ def odd_length_reward(solution_str, ground_truth, extra_info=None) -> float:
     return float(len(solution_str) % 2)
 
 
-class RecordingTrainer(PPOTrainer):
-    def compute_advantage(self, batch):
-        self.batches = [*getattr(self, "batches", []), super().compute_advantage(batch)]
-        return self.batches[-1]
-
+class RecordingTrainer(KeepsStepTensors, PPOTrainer):
     def validate(self):
         self.scored_chunks = []
         return super().validate()
@@ -84,7 +83,7 @@ def history(trainer):
 
 def test_ppo_steps_train_the_critic_and_gae_returns_equal_scores(trainer, history):
     first = history[0]
-    batch = trainer.batches[0]
+    batch = trainer.step_tensors[0]
     assert first["critic/updates"] == B // M and first["actor/updates"] == B // M
     ref, old = batch.jagged_field("ref_log_prob").values, batch.jagged_field("old_log_probs").values
     assert torch.allclose(ref, old, atol=1e-5) and "actor/kl_loss" in first
@@ -95,7 +94,11 @@ def test_ppo_steps_train_the_critic_and_gae_returns_equal_scores(trainer, histor
         assert torch.allclose(returns[model], batch["score"][i].expand(int(model.sum())), atol=1e-5)
         assert torch.all(returns[~model] == 0) and torch.all(batch.as_list("advantages")[i][~model] == 0)
     values_before = batch.jagged_field("values").values.clone()
-    after = trainer.parts.critic.compute_values(trainer.inputs(batch)).jagged_field("values").values
+    probe = [f"probe-{i}" for i in range(len(batch))]
+    trainer.store.put({k: {"input_ids": ids} for k, ids in zip(probe, batch.as_list("input_ids"))})
+    trainer.parts.critic.compute_values(Batch.from_dict({"key": probe}))
+    after = torch.cat([v["values"] for v in trainer.store.get(probe)])
+    trainer.store.delete(probe)
     moved = (after - values_before)[batch.jagged_field("response_mask").values.bool()]
     assert moved.abs().max() > 1e-4  # two critic steps at lr 1e-2 change the values it predicts
 
@@ -135,6 +138,10 @@ def test_epochs_set_the_run_length_and_validation_goes_in_val_batches(trainer, h
     assert trainer.scored_chunks == [2, 2, 1]  # 5 held-out prompts, val_batch_size 2
     assert "val/greedy_acc" in history[1] and "val/greedy_acc" not in history[0]
     assert history[1]["val/greedy_acc"] in {k / 5 for k in range(6)}
+
+
+def test_store_is_empty_after_the_run(trainer, history):
+    assert trainer.store.size() == {"values": 0, "tags": 0}
 
 
 def test_free_cache_engine_false_keeps_the_replica_awake(trainer, history):

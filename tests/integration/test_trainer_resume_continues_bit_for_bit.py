@@ -43,8 +43,10 @@ class PoisonableTrainer(PPOTrainer):
 
     def compute_advantage(self, batch):
         batch = super().compute_advantage(batch)
-        if self.poison:  # NaN advantages: every actor update's loss and gradients are NaN
-            batch.jagged_field("advantages").values.fill_(math.nan)
+        if self.poison:  # NaN advantages (GAE's, in the store): every actor update's loss and gradients are NaN
+            keys = sorted(set(batch["key"]))
+            self.store.update({k: {"advantages": torch.full_like(v["advantages"], math.nan)}
+                               for k, v in zip(keys, self.store.get(keys, ["advantages"]))})
         return batch
 
 
@@ -76,7 +78,11 @@ def reproducible(record: dict) -> dict:
 def greedy(trainer) -> list[tuple[list[int], list[float]]]:
     prompts = trainer.parts.train_data.rows[:2]
     out = trainer.parts.agent_loops.generate(prompts, 1, {**trainer.sampling(train=False), "temperature": 0.0})
-    return [(t["response_ids"], t["rollout_log_probs"]) for t in out]
+    keys = [t["key"] for t in out]
+    stored = trainer.store.get(keys)
+    trainer.store.delete(keys)
+    return [(s["input_ids"][t["prompt_len"]:].tolist(), s["rollout_log_probs"][t["prompt_len"]:].tolist())
+            for t, s in zip(out, stored)]
 
 
 def test_resumed_run_matches_uninterrupted_and_nan_step_keeps_weights(ray_cluster, tmp_path):

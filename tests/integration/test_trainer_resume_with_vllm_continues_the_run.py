@@ -16,7 +16,7 @@ import torch
 from trainer_fixtures import prompt_file
 
 from mrl.config.loader import load_config
-from mrl.data.batch import Batch
+from mrl.data.samples import put_sequences
 from mrl.models.tiny import make_tiny_hf_model
 from mrl.trainer import checkpointing
 from mrl.trainer.build import build_trainer, shutdown
@@ -40,13 +40,17 @@ class ProbingTrainer(PPOTrainer):
         self.starts: dict[int, dict] = {}
 
     def sample(self):
-        probe = Batch.from_dict({"input_ids": [torch.arange(3, 15), torch.arange(20, 27)]})
+        keys = ["probe-0", "probe-1"]
+        probe = put_sequences(self.store, keys, [{"prompt_ids": [3], "response_ids": list(range(4, 15))},
+                                                 {"prompt_ids": [20], "response_ids": list(range(21, 27))}])
         trajectories = super().sample()
+        self.parts.actor_rollout.compute_log_prob(probe)
         self.starts[self.global_steps + 1] = {
             "prompts": [t["messages"] for t in trajectories],
-            "probe": self.parts.actor_rollout.compute_log_prob(probe).jagged_field("old_log_probs").values,
+            "probe": torch.cat([v["old_log_probs"] for v in self.store.get(keys, ["old_log_probs"])]),
             "rng": rng_state(),
         }
+        self.store.delete(keys)
         return trajectories
 
 

@@ -20,6 +20,7 @@ import time
 import pytest
 from trainer_fixtures import stepped, tiny_trainer
 
+from mrl.data.samples import put_sequences
 from mrl.trainer import batching
 from mrl.trainer.modes import SeparateAsyncTrainer
 
@@ -65,11 +66,12 @@ class ProbingTrainer(SeparateAsyncTrainer):
         client = self.parts.rollout.client()
         sampling = {"temperature": 1.0, "max_tokens": 12, "seed": self.global_steps, "ignore_eos": True}
         out = asyncio.run(client.generate(f"probe-{self.global_steps}", PROBE_PROMPT, sampling))
-        traj = {"prompt_ids": PROBE_PROMPT, "response_ids": out.token_ids, "response_mask": [1] * len(out.token_ids),
-                "rollout_log_probs": out.log_probs, "score": 0.0, "uid": "probe"}
-        batch = batching.trajectories_to_batch([traj])
-        batch = batch.union(self.parts.actor_rollout.compute_log_prob(self.inputs(batch)))
-        return {"version": out.version, **batching.logprob_mismatch(batch)}
+        key = f"probe-{self.global_steps}"
+        batch = put_sequences(self.store, [key], [{"prompt_ids": PROBE_PROMPT, "response_ids": out.token_ids,
+                                                   "rollout_log_probs": out.log_probs}])
+        mismatch = batching.mismatch_over_ranks(self.parts.actor_rollout.compute_log_prob(batch))
+        self.store.delete([key])
+        return {"version": out.version, **mismatch}
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +107,7 @@ def test_interrupted_trajectories_span_versions_within_the_staleness_bound(run):
     trainer, metrics, _ = run
     trained = [t for step in trainer.taken for t in step]
     assert len(trained) == STEPS * B * N
-    versions = [[(t["min_version"], t["max_version"], len(t["response_ids"])) for t in step] for step in trainer.taken]
+    versions = [[(t["min_version"], t["max_version"], t["response_len"]) for t in step] for step in trainer.taken]
     assert any((t["min_version"], t["max_version"]) == (1, 2) for t in trainer.taken[2]), versions
     for step, (taken, m) in enumerate(zip(trainer.taken, metrics)):
         assert all(step - t["min_version"] <= trainer.config.weight_sync.staleness_threshold for t in taken)

@@ -1,6 +1,7 @@
 """Shared pieces of the trainer-mode integration tests: a tiny model and prompt file, a reward that varies inside a
-group, a trainer of a given class built from a recipe, and a run of a few steps that also returns the replica's
-control-call log."""
+group, a trainer of a given class built from a recipe, a run of a few steps that also returns the replica's
+control-call log, and the sample-path checks (records carry no token data; a step's tensors as the workers left
+them in the store)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import ray
+import torch
 
 from mrl.config.loader import load_config
+from mrl.data.batch import Batch
 from mrl.data.datasets import write_rows
+from mrl.data.samples import fetch
 from mrl.models.tiny import make_tiny_hf_model
 from mrl.trainer.build import build_trainer, shutdown
 
@@ -51,3 +56,23 @@ def tiny_trainer(cls: type, recipe: str, root: Path, overrides: list[str], words
         f"trainer.default_local_dir={root / 'run'}", f"reward.reward_fn='{__name__}:odd_length_reward'", *overrides,
     ]))
     return cls(built.config, built.parts, built.logger)
+
+
+def assert_no_token_data(records: list[dict[str, Any]]) -> None:
+    """What the driver holds of a trajectory: scalars and text (the prompt's messages, the decoded response),
+    never tensors nor sequences of numbers (token ids, masks, log-probs)."""
+    for record in records:
+        for name, value in record.items():
+            assert not isinstance(value, torch.Tensor | np.ndarray), name
+            if isinstance(value, list | tuple):
+                assert not any(isinstance(v, int | float) for v in value), name
+
+
+class KeepsStepTensors:
+    """Trainer mixin: just before a step's samples leave the store, fetch every field the agent loop and the workers
+    left there (tests only; the driver itself never does) into `self.step_tensors`, one Batch per step."""
+
+    def release_samples(self, batch: Batch) -> None:
+        fields = list(self.store.get([batch["key"][0]])[0])
+        self.step_tensors = [*getattr(self, "step_tensors", []), fetch(self.store, batch, fields)]
+        super().release_samples(batch)

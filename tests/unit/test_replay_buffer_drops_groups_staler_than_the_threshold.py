@@ -5,7 +5,7 @@ from mrl.data.replay_buffer import ReplayBuffer
 
 
 def group(uid: str, versions: list[tuple[int, int]]) -> list[dict]:
-    return [{"uid": uid, "score": float(i), "min_version": lo, "max_version": hi}
+    return [{"key": f"{uid}-{i}", "uid": uid, "score": float(i), "min_version": lo, "max_version": hi}
             for i, (lo, hi) in enumerate(versions)]
 
 
@@ -18,6 +18,7 @@ def test_groups_staler_than_the_threshold_are_dropped_whole():
     taken = buffer.sample(1, current_version=3)
     assert [t["uid"] for t in taken] == ["fresh", "fresh"]  # "old" (3 behind) and "spans" (2 behind) dropped
     assert buffer.dropped_stale == 2 and len(buffer) == 0
+    assert buffer.take_discarded() == ["old-0", "old-1", "spans-0", "spans-1"]  # for deletion from the store
 
 
 def test_at_the_threshold_is_kept_and_no_threshold_keeps_everything():

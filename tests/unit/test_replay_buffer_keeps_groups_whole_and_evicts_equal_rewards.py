@@ -1,5 +1,6 @@
-"""Replay buffer: groups enter and leave whole, all-equal-reward groups are evicted under dynamic sampling, and
-no-op padding makes counts divisible without contributing a single loss token."""
+"""Replay buffer: groups enter and leave whole, all-equal-reward groups are evicted under dynamic sampling (their
+store keys queued for deletion, like the surplus a sync step clears), and no-op padding makes counts divisible
+without contributing a single loss token."""
 
 import pytest
 
@@ -8,8 +9,7 @@ from mrl.data.replay_buffer import ReplayBuffer, pad_with_noops
 
 def group(uid: str, scores: list[float]) -> list[dict]:
     return [
-        {"uid": uid, "score": s, "prompt_ids": [1, 2], "response_ids": [3] * (i + 1), "response_mask": [1] * (i + 1),
-         "min_version": 0}
+        {"key": f"{uid}-{i}", "uid": uid, "score": s, "prompt_len": 2, "response_len": i + 1, "min_version": 0}
         for i, s in enumerate(scores)
     ]
 
@@ -23,7 +23,10 @@ def test_dynamic_sampling_evicts_groups_whose_rewards_are_all_equal():
     buffer.add(group("e", [0, 1]), n=2)
     out = buffer.sample(2)
     assert [t["uid"] for t in out] == ["b", "b", "d", "d"]  # whole groups, oldest first
+    assert buffer.take_discarded() == ["a-0", "a-1", "c-0", "c-1"] and buffer.discarded == []
+    assert buffer.keys() == ["e-0", "e-1"]
     assert buffer.clear() == 1 and len(buffer) == 0  # the surplus group "e"
+    assert buffer.take_discarded() == ["e-0", "e-1"]
 
 
 def test_without_dynamic_sampling_every_group_is_kept():
@@ -39,11 +42,11 @@ def test_a_group_must_hold_one_prompt():
         ReplayBuffer().add(group("a", [1, 0, 1]), n=2)
 
 
-def test_noop_padding_makes_counts_divisible_with_all_zero_masks():
+def test_noop_padding_makes_counts_divisible_with_flagged_copies():
     samples = group("a", [1, 0, 1])
     padded = pad_with_noops(samples, 4)
     assert len(padded) == 4 and padded[:3] == samples
     noop = padded[3]
-    assert noop["response_mask"] == [0] * len(noop["response_ids"]) and noop["score"] == 0.0
-    assert noop["response_ids"] == samples[0]["response_ids"]  # a copy of the shortest sample
+    assert noop["is_noop"] and noop["score"] == 0.0 and noop["uid"] == "noop-0"
+    assert noop["key"] == samples[0]["key"]  # the shortest sample's tokens: workers zero its mask (samples.fetch)
     assert pad_with_noops(samples, 3) == samples

@@ -1,15 +1,22 @@
-"""`AgentLoopWorker` (a CPU Ray actor running sessions as coroutines) and the driver-side `AgentLoopManager`."""
+"""`AgentLoopWorker` (a CPU Ray actor running sessions as coroutines) and the driver-side `AgentLoopManager`.
+
+The per-token half of each trajectory (ids, mask, log-probs) goes into the sample store under a fresh key; the
+caller gets a light record only: the key and scalar tags, including the decoded model tokens for the reward
+(mrl/data/samples.py).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import importlib
-from dataclasses import asdict
+import uuid
 from typing import Any
 
 import ray
 
-from mrl.rollout.agent_loop.base import Tool, agent_loop_class
+from mrl.data.sample_store import SampleStore
+from mrl.data.samples import payload
+from mrl.rollout.agent_loop.base import Tool, Trajectory, agent_loop_class
 from mrl.rollout.client import FaultPolicy, FullyAsyncLLMServerClient, LLMServerClient, wait_within
 
 
@@ -22,13 +29,26 @@ def load_tools(specs: list[str]) -> list[Tool]:
     return tools
 
 
+def record(traj: Trajectory, key: str, session_id: str, response_text: str) -> dict[str, Any]:
+    """The light half of a trajectory: what the replay buffer and the driver see (no per-token data)."""
+    return {"key": key, "session_id": session_id, "prompt_len": len(traj.prompt_ids),
+            "response_len": len(traj.response_ids), "model_tokens": sum(traj.response_mask),
+            "min_version": traj.min_version, "max_version": traj.max_version, "stop_reason": traj.stop_reason,
+            "num_turns": traj.num_turns, "seed": traj.seed, "tool_errors": traj.tool_errors,
+            "response_text": response_text}
+
+
 class AgentLoopWorker:
     def __init__(self, tokenizer_path: str, balancer: Any, loop: str, max_response_length: int,
-                 tools: list[str] | None = None, max_turns: int = 4, policy: FaultPolicy | None = None,
-                 fully_async: bool = False) -> None:
+                 store: SampleStore, tools: list[str] | None = None, max_turns: int = 4,
+                 policy: FaultPolicy | None = None, fully_async: bool = False) -> None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.tokenizer, self.store = tokenizer, store
+        # Connect to the store's actors now: a first call from this process costs seconds on a busy host, which
+        # would otherwise delay whichever trajectories finish first.
+        store.wait_ready()
         cls = agent_loop_class(loop)
         kwargs = {"tools": load_tools(tools or []), "max_turns": max_turns} if loop == "tool" else {}
         # Async trainer modes abort requests for weight syncs; the fully-async client continues them (partial rollout).
@@ -36,8 +56,9 @@ class AgentLoopWorker:
         self.loop = cls(tokenizer, client, max_response_length, **kwargs)
 
     async def generate(self, samples: list[dict[str, Any]], n: int, sampling: dict[str, Any]) -> list[dict[str, Any]]:
-        """`n` independent sessions per sample, all concurrent; trajectories in (sample, i) order. A seeded
-        sampling dict gives session k of this call seed + k, so a run is reproducible and sessions differ."""
+        """`n` independent sessions per sample, all concurrent; records in (sample, i) order, their payloads in the
+        store. A seeded sampling dict gives session k of this call seed + k, so a run is reproducible and sessions
+        differ."""
         seed = sampling.get("seed")
         calls, sessions = [], []
         for s, sample in enumerate(samples):
@@ -47,7 +68,15 @@ class AgentLoopWorker:
                 sessions.append(f"{sample['uid']}-{i}")
                 calls.append(self.loop.run(sessions[-1], sample, params))
         trajectories = await asyncio.gather(*calls)
-        return [{**asdict(t), "session_id": sid} for t, sid in zip(trajectories, sessions)]
+        keys = [uuid.uuid4().hex for _ in trajectories]  # unique per trajectory, whatever the uid
+        await self.store.put_async({k: payload(t.prompt_ids, t.response_ids, t.response_mask, t.rollout_log_probs)
+                                    for k, t in zip(keys, trajectories)})
+        return [record(t, k, sid, self.decode_model_tokens(t)) for t, k, sid in zip(trajectories, keys, sessions)]
+
+    def decode_model_tokens(self, traj: Trajectory) -> str:
+        """The text the reward judges: the model's tokens only (tool observations are not the model's answer)."""
+        model_ids = [i for i, m in zip(traj.response_ids, traj.response_mask) if m]
+        return self.tokenizer.decode(model_ids, skip_special_tokens=True)
 
     def replica_failures(self) -> int:
         """Calls of this worker's sessions that failed with their replica (each retried, or the session failed)."""
@@ -57,24 +86,28 @@ class AgentLoopWorker:
 class AgentLoopManager:
     def __init__(self, num_workers: int, tokenizer_path: str, balancer: Any, loop: str = "single_turn",
                  max_response_length: int = 256, tools: list[str] | None = None, max_turns: int = 4,
-                 policy: FaultPolicy | None = None, fully_async: bool = False) -> None:
+                 policy: FaultPolicy | None = None, fully_async: bool = False,
+                 store: SampleStore | None = None) -> None:
+        """`store`: where payloads go (the trainer's); without one the manager makes and owns its own."""
         self.policy = policy or FaultPolicy()
+        self.owns_store = store is None
+        self.store = SampleStore.create() if store is None else store
         remote = ray.remote(AgentLoopWorker).options(num_cpus=0, max_concurrency=1024)
         self.workers = [
-            remote.remote(tokenizer_path, balancer, loop, max_response_length, tools, max_turns, self.policy,
-                          fully_async)
+            remote.remote(tokenizer_path, balancer, loop, max_response_length, self.store, tools, max_turns,
+                          self.policy, fully_async)
             for _ in range(num_workers)
         ]
         self._next_worker = 0
 
     def submit(self, sample: dict[str, Any], n: int, sampling: dict[str, Any]) -> ray.ObjectRef:
-        """The `n` trajectories of one sample, without waiting (workers take turns): a ref to the list."""
+        """The `n` records of one sample, without waiting (workers take turns): a ref to the list."""
         worker = self.workers[self._next_worker % len(self.workers)]
         self._next_worker += 1
         return worker.generate.remote([sample], n, sampling)
 
     def generate(self, samples: list[dict[str, Any]], n: int, sampling: dict[str, Any]) -> list[dict[str, Any]]:
-        """Trajectories of every sample (n each, grouped by sample, in sample order)."""
+        """Records of every sample (n each, grouped by sample, in sample order); payloads in the store."""
         k = len(self.workers)
         size = -(-len(samples) // k)
         chunks = [samples[i * size : (i + 1) * size] for i in range(k)]
@@ -90,6 +123,8 @@ class AgentLoopManager:
     def shutdown(self) -> None:
         for w in self.workers:
             ray.kill(w)
+        if self.owns_store:
+            self.store.shutdown()
 
 
 def _offset(seed: int | None, by: int) -> int | None:

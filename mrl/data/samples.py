@@ -1,0 +1,80 @@
+"""A trajectory in two halves: its per-token payload stays in the sample store, its light record travels.
+
+- Payload (the store's value under the trajectory's key, put by the agent loop): per-token tensors aligned with
+  `input_ids` = prompt + response, prompt positions with `response_mask` 0 and log-prob 0.0 (DESIGN.md, Batch).
+  Workers add their per-token outputs to it (`old_log_probs`, `ref_log_prob`, `values`, `advantages`, `returns`).
+- Record (agent loop → replay buffer → driver): the key and scalar tags (uid, score, lengths, versions, …).
+
+The driver's step moves a `Batch` of the records' scalar columns (`light_batch`); the mesh dispatch splits it like
+any batch, and each worker fetches its rows' tensors by key (`fetch`) and writes its outputs back (`write_back`).
+A no-op sample (mrl/data/replay_buffer.py) reuses a real sample's key with `is_noop` set: `fetch` zeroes its
+response mask (it trains nothing) and `write_back` skips it (the key's owner row writes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mrl.data.batch import Batch
+from mrl.data.jagged import JaggedTensor
+from mrl.data.sample_store import SampleStore
+
+# What an agent loop puts; workers add their outputs to the same value.
+TRAJECTORY_FIELDS = ("input_ids", "response_mask", "rollout_log_probs")
+
+
+def payload(prompt_ids: Sequence[int], response_ids: Sequence[int], response_mask: Sequence[int],
+            rollout_log_probs: Sequence[float]) -> dict[str, torch.Tensor]:
+    """The per-token fields of one trajectory in the full-sequence layout."""
+    p = len(prompt_ids)
+    return {
+        "input_ids": torch.tensor([*prompt_ids, *response_ids], dtype=torch.long),
+        "response_mask": torch.tensor([0] * p + list(response_mask), dtype=torch.float32),
+        "rollout_log_probs": torch.tensor([0.0] * p + list(rollout_log_probs), dtype=torch.float32),
+    }
+
+
+def light_batch(records: Sequence[dict[str, Any]]) -> Batch:
+    """The scalar columns of a step's records: what the driver balances, computes advantages on and dispatches."""
+    return Batch.from_dict({
+        "key": [r["key"] for r in records],
+        "uid": [r["uid"] for r in records],
+        "score": torch.tensor([float(r["score"]) for r in records]),
+        "length": torch.tensor([r["prompt_len"] + r["response_len"] for r in records], dtype=torch.long),
+        "is_noop": torch.tensor([bool(r.get("is_noop", False)) for r in records]),
+    })
+
+
+def fetch(store: SampleStore, batch: Batch, fields: Sequence[str]) -> Batch:
+    """`batch` (scalar columns with a `key` column) plus the per-token `fields` of its rows, fetched by key."""
+    values = store.get(list(batch["key"]), list(fields))
+    columns = {f: JaggedTensor.from_list([v[f] for v in values]) for f in fields}
+    if "response_mask" in columns and "is_noop" in batch and bool(batch["is_noop"].any()):
+        mask = columns["response_mask"]
+        keep = torch.repeat_interleave((~batch["is_noop"]).to(mask.values.dtype), mask.lengths())
+        columns["response_mask"] = JaggedTensor(mask.values * keep, mask.offsets)
+    return batch.union(Batch.from_dict(columns, batch_size=len(batch)))
+
+
+def write_back(store: SampleStore, batch: Batch, outputs: dict[str, JaggedTensor]) -> None:
+    """Add per-token `outputs` (aligned with `batch`'s rows) to each real sample's value in the store."""
+    noop = batch["is_noop"].tolist() if "is_noop" in batch else [False] * len(batch)
+    keys = batch["key"]
+    # clone: a row is a view, and pickling a view ships its whole storage
+    store.update({keys[i]: {f: j[i].clone() for f, j in outputs.items()} for i in range(len(batch)) if not noop[i]})
+
+
+def put_sequences(store: SampleStore, keys: Sequence[str], sequences: Sequence[dict[str, Any]]) -> Batch:
+    """Put ready-made sequences (`prompt_ids`, `response_ids`, optional `response_mask` / `rollout_log_probs`)
+    under `keys` and return their light batch: for probes and tests that call a worker outside a step."""
+    items = {}
+    for key, s in zip(keys, sequences):
+        n = len(s["response_ids"])
+        items[key] = payload(s["prompt_ids"], s["response_ids"], s.get("response_mask", [1] * n),
+                             s.get("rollout_log_probs", [0.0] * n))
+    store.put(items)
+    return light_batch([{"key": k, "uid": k, "score": 0.0, "prompt_len": len(s["prompt_ids"]),
+                         "response_len": len(s["response_ids"])} for k, s in zip(keys, sequences)])
