@@ -173,11 +173,15 @@ class WeightSender(ABC):
             return
         try:
             if wait:
-                ranks = range(1, self.world_size)
-                self.control.wait("finalize", {r: self.control.key("done", r) for r in ranks})
+                self.wait_done()
         finally:
             self._finalize()
             self.control = None
+
+    def wait_done(self) -> None:
+        """Wait until every receiver reports it has loaded the whole stream."""
+        ranks = range(1, self.world_size)
+        self.control.wait("finalize", {r: self.control.key("done", r) for r in ranks})
 
     def _finalize(self) -> None:
         return None

@@ -8,7 +8,9 @@ and copies every tensor into place straight from the transport's buffers (load):
   ipc:  receiver on the same GPU, CUDA IPC buffers; swept over bucket sizes;
   nccl: receiver on GPU 1 (when there are two), a temporary NCCL group, bucketed broadcast; plus a raw broadcast
         of the same bytes in the same bucket sizes as its own baseline.
-Reported: seconds, GB/s and rate ÷ the device-copy rate (goal ≥ 0.33: three copies' worth, convert + pack + load).
+Reported: seconds from the first byte to the receiver's last load, GB/s and rate ÷ the device-copy rate (goal ≥ 0.33:
+three copies' worth, convert + pack + load); apart, the per-sync group setup (rendezvous; nccl: communicator
+creation) and teardown (nccl: communicator destruction).
 On a CPU-only machine it runs a tiny shape (shared memory and gloo) to check the script.
 
 Usage: python tools/bench/weight_sync.py [--tiny] [--buckets-mb 64,256,1024] [--out result.json]
@@ -159,10 +161,14 @@ def time_sync(transport: str, bridge: Any, chunks: Any, bucket: int, inbox: Any,
     setup_s = time.perf_counter() - start
     start = time.perf_counter()
     sent = sender.send_weights(bridge.export(chunks))
-    sender.finalize()  # waits for the receiver's last acknowledgement
+    sender.wait_done()  # the receiver has loaded every bucket
     seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    sender.finalize(wait=False)  # frees the buffers; nccl destroys its communicator (per sync)
+    teardown_s = time.perf_counter() - start
     count, checksum = outbox.get(timeout=2 * SYNC_TIMEOUT_S)
-    return {"seconds": seconds, "setup_s": setup_s, "tensors": sent, "received": count, "embed_sum": checksum}
+    return {"seconds": seconds, "setup_s": setup_s, "teardown_s": teardown_s, "tensors": sent, "received": count,
+            "embed_sum": checksum}
 
 
 def time_raw_broadcast(nbytes: int, bucket: int, inbox: Any, outbox: Any) -> float:
@@ -250,13 +256,13 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"\n{result['device']}: {gb:.2f} GB of weights; one device copy {result['copy_s'] * 1e3:.1f} ms "
           f"({result['copy_gb_s']:.0f} GB/s); export alone {result['export_only_s'] * 1e3:.1f} ms")
     print("| transport | receiver | bucket MB | group setup s | seconds | GB/s | ÷ copy rate | ÷ raw broadcast "
-          "| tensors | checksum |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| group teardown s | tensors | checksum |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in result["rows"]:
         raw = f"{r['ratio_vs_raw_broadcast']:.2f}" if "ratio_vs_raw_broadcast" in r else ""
         print(f"| {r['transport']} | dev {r['receiver_device']} | {r['bucket_mb']:g} | {r['setup_s']:.3f} | "
-              f"{r['seconds']:.4f} | "
-              f"{r['gb_s']:.1f} | {r['ratio_vs_copy']:.3f} | {raw} | {r['received']}/{r['tensors']} | "
+              f"{r['seconds']:.4f} | {r['gb_s']:.1f} | {r['ratio_vs_copy']:.3f} | {raw} | {r['teardown_s']:.3f} | "
+              f"{r['received']}/{r['tensors']} | "
               f"{'ok' if r['checksum_ok'] else 'MISMATCH'} |")
 
 
