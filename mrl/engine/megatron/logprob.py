@@ -36,9 +36,10 @@ log = logging.getLogger(__name__)
 
 # Tokens per forward chunk (and logits per backward block: chunk × V). On the H200 (tools/bench/engine.py, 1.5B
 # shape, 2×4096 tokens, whole actor step) 256 / 1024 / 4096 ran at 27.7k / 31.2k / 32.8k tokens/s with peaks of
-# 36.9 / 37.4 / 39.1 GiB: fewer, larger vocabulary GEMMs. With the compiled elementwise kernels a chunk's only
-# large buffer is its [chunk, V/tp] logits (1.2 GiB in bf16 at 4096 × 152k); on CPU the eager path holds a few
-# fp32 copies of it.
+# 36.9 / 37.4 / 39.1 GiB: fewer, larger vocabulary GEMMs (39.1 fell to 36.9 GiB once a chunk is freed before the
+# next GEMM and the gradient overwrites the kept logits, at the same speed). With the compiled elementwise kernels a
+# chunk's only large buffer is its [chunk, V/tp] logits (1.2 GiB in bf16 at 4096 × 152k); on CPU the eager path
+# holds a few fp32 copies of it.
 DEFAULT_CHUNK_TOKENS = 4096
 # Logits kept for the backward per micro-batch and rank: 16k tokens at a 152k vocabulary in bf16 is 4.6 GiB.
 DEFAULT_KEEP_LOGITS_BYTES = 4 << 30
