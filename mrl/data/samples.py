@@ -50,8 +50,7 @@ def light_batch(records: Sequence[dict[str, Any]]) -> Batch:
 
 def fetch(store: SampleStore, batch: Batch, fields: Sequence[str]) -> Batch:
     """`batch` (scalar columns with a `key` column) plus the per-token `fields` of its rows, fetched by key."""
-    values = store.get(list(batch["key"]), list(fields))
-    columns = {f: JaggedTensor.from_list([v[f] for v in values]) for f in fields}
+    columns = store.get_jagged(list(batch["key"]), fields)
     if "response_mask" in columns and "is_noop" in batch and bool(batch["is_noop"].any()):
         mask = columns["response_mask"]
         keep = torch.repeat_interleave((~batch["is_noop"]).to(mask.values.dtype), mask.lengths())
@@ -61,10 +60,8 @@ def fetch(store: SampleStore, batch: Batch, fields: Sequence[str]) -> Batch:
 
 def write_back(store: SampleStore, batch: Batch, outputs: dict[str, JaggedTensor]) -> None:
     """Add per-token `outputs` (aligned with `batch`'s rows) to each real sample's value in the store."""
-    noop = batch["is_noop"].tolist() if "is_noop" in batch else [False] * len(batch)
-    keys = batch["key"]
-    # clone: a row is a view, and pickling a view ships its whole storage
-    store.update({keys[i]: {f: j[i].clone() for f, j in outputs.items()} for i in range(len(batch)) if not noop[i]})
+    real = torch.arange(len(batch)) if "is_noop" not in batch else (~batch["is_noop"]).nonzero().flatten()
+    store.update_jagged([batch["key"][i] for i in real.tolist()], {f: j.index_select(real) for f, j in outputs.items()})
 
 
 def put_sequences(store: SampleStore, keys: Sequence[str], sequences: Sequence[dict[str, Any]]) -> Batch:
