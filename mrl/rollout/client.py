@@ -57,9 +57,15 @@ def replica_failed(error: BaseException) -> bool:
 
 
 @dataclass
-class _AcquireBatch:
+class _LoopState:
+    """What one event loop's calls share: acquires waiting for the next balancer round trip, and calls waiting to
+    go to their server together (server id -> [(call, future)])."""
+
     waiting: list[tuple[str, asyncio.Future]] = field(default_factory=list)
     task: asyncio.Task | None = None  # the task doing round trips (the reference keeps it alive)
+    calls: dict[str, list[tuple[tuple, asyncio.Future]]] = field(default_factory=dict)
+    senders: set[asyncio.Task] = field(default_factory=set)  # tasks waiting for servers' results
+    handles: asyncio.Future | None = None  # the handle fetch that concurrent cache misses share
 
 
 class LLMServerClient:
@@ -70,10 +76,8 @@ class LLMServerClient:
         self.replica_failures = 0  # calls that failed with their replica and were retried (or gave up)
         self._servers: dict[str, Any] = {}
         # Per event loop (a client may be driven by successive loops, e.g. one asyncio.run per step, or by several
-        # threads): the acquires waiting for the next balancer round trip and the task doing the round trips.
-        self._acquire_batches: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _AcquireBatch] = (
-            weakref.WeakKeyDictionary()
-        )
+        # threads): the acquires and the calls being coalesced, and the tasks doing the round trips.
+        self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = weakref.WeakKeyDictionary()
         # Finished calls whose slots go back to the balancer together at the end of this loop tick.
         self._releases: list[str] = []
         self._release_loop: asyncio.AbstractEventLoop | None = None
@@ -85,16 +89,20 @@ class LLMServerClient:
         mrl/direct 0.85-0.91 with one RPC per request, 0.89-0.92 coalesced). Routing decisions stay the
         balancer's, one by one, in call order."""
         loop = asyncio.get_running_loop()
-        state = self._acquire_batches.get(loop)
-        if state is None:
-            state = self._acquire_batches[loop] = _AcquireBatch()
+        state = self._state(loop)
         future = loop.create_future()
         state.waiting.append((request_id, future))
         if state.task is None:
             state.task = loop.create_task(self._flush_acquires(state))
         return await future
 
-    async def _flush_acquires(self, state: _AcquireBatch) -> None:
+    def _state(self, loop: asyncio.AbstractEventLoop) -> _LoopState:
+        state = self._loops.get(loop)
+        if state is None:
+            state = self._loops[loop] = _LoopState()
+        return state
+
+    async def _flush_acquires(self, state: _LoopState) -> None:
         try:
             while state.waiting:
                 batch, state.waiting = state.waiting, []
@@ -130,13 +138,66 @@ class LLMServerClient:
             server_ids, self._releases = self._releases, []
             self.balancer.release_ids.remote(server_ids)
 
+    def _send(self, server_id: str, server: Any, call: tuple) -> asyncio.Future:
+        """Queue one `generate` call for `server`; the calls queued in one loop tick (a burst, whose acquires came
+        back together) leave in one `generate_many` RPC whose results stream back in groups (server.serve_many)."""
+        loop = asyncio.get_running_loop()
+        state = self._state(loop)
+        future = loop.create_future()
+        queue = state.calls.setdefault(server_id, [])
+        queue.append((call, future))
+        if len(queue) == 1:
+            loop.call_soon(self._flush_calls, state, server_id, server)
+        return future
+
+    def _flush_calls(self, state: _LoopState, server_id: str, server: Any) -> None:
+        batch = [(call, future) for call, future in state.calls.pop(server_id, []) if not future.done()]
+        many = getattr(server, "generate_many", None)  # servers without it (PD routers) take one call per RPC
+        groups = [batch] if many is not None and len(batch) > 1 else [[item] for item in batch]
+        for group in groups:
+            task = asyncio.get_running_loop().create_task(self._deliver(server, group))
+            state.senders.add(task)
+            task.add_done_callback(state.senders.discard)
+
+    @staticmethod
+    async def _deliver(server: Any, batch: list[tuple[tuple, asyncio.Future]]) -> None:
+        """Send `batch` and settle each call's future with its output or error; a failed RPC (the server died)
+        fails every call of the batch that has no result yet, and each caller retries on its own."""
+        try:
+            if len(batch) == 1:
+                (call, future), = batch
+                out = await server.generate.remote(*call)
+                if not future.done():
+                    future.set_result(out)
+                return
+            stream = server.generate_many.options(num_returns="streaming").remote([call for call, _ in batch])
+            async for ref in stream:
+                for index, result in await ref:
+                    future = batch[index][1]
+                    if future.done():
+                        continue
+                    if isinstance(result, BaseException):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)
+        except Exception as error:
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(error)
+        for _, future in batch:
+            if not future.done():
+                future.set_exception(RuntimeError("the rollout server ended the call without a result"))
+
     async def _server(self, server_id: str) -> Any:
+        """The cached handle of `server_id` (None: removed since it was acquired, route again). A miss fetches
+        every registered handle in one RPC shared by the loop's concurrent misses, so a burst to a new server is
+        not split over several loop ticks (and several `generate_many` calls)."""
         if server_id not in self._servers:
-            handle = await self.balancer.handle.remote(server_id)
-            if handle is None:  # removed between acquire and now: route again
-                return None
-            self._servers[server_id] = handle
-        return self._servers[server_id]
+            state = self._state(asyncio.get_running_loop())
+            if state.handles is None or state.handles.done():
+                state.handles = asyncio.ensure_future(self.balancer.handles.remote())
+            self._servers.update(await asyncio.shield(state.handles))
+        return self._servers.get(server_id)
 
     async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any]) -> TokenOutput:
         """One call on the session's server. A server that fails mid-call is unregistered (its sessions re-route)
@@ -159,7 +220,7 @@ class LLMServerClient:
             try:
                 server = await self._server(server_id)
                 if server is not None:
-                    return await server.generate.remote(request_id, prompt_ids, sampling_params)
+                    return await self._send(server_id, server, (request_id, prompt_ids, sampling_params))
             except Exception as error:
                 if not replica_failed(error):
                     raise
