@@ -1,14 +1,18 @@
 """Global request load balancer: least in-flight requests, sticky by high-level request id, elastic server set.
 
-One instance runs as a Ray actor (`ray.remote(LoadBalancer)`, created by LLMServerManager) so that every client,
-in every agent-loop process, sees the same in-flight counts. It is plain Python so its rules are unit-tested
-without Ray.
+One instance runs as a Ray actor (`ray.remote(LoadBalancer)`, created by LLMServerManager): the registry of
+servers and the pool-wide record of calls in flight and sessions, which every client in every agent-loop process
+reports to. It is plain Python so its rules are unit-tested without Ray, and clients route with a local instance.
 
 Rules, in order:
 1. A request id seen before goes back to the server it went to (multi-turn sessions reuse that server's prefix
    cache), as long as that server is still registered.
 2. Otherwise the server with the fewest in-flight requests wins; ties go to the server registered first.
 3. Removing a server drops its sticky sessions, so their next turn is routed by rule 2.
+
+Clients route locally with the same rules (a LoadBalancer of their own over the registered servers, counting
+their own calls) and report their decisions here, so that this actor's in-flight counts and sessions stay the
+pool-wide record (`report`); a membership epoch tells clients when to fetch the server set again (`view`).
 
 It also records the newest weights pushed to the pool (version and what re-syncs a restarted replica). Being the
 one actor every copy of the manager talks to, it makes "push to the registered servers" and "register a re-synced
@@ -37,6 +41,7 @@ class LoadBalancer:
         # Healthy replacements that cannot be re-synced from a recorded copy (a transport sent the weights): they
         # receive the next push, then register, but serve no request before.
         self._pending: dict[str, Any] = {}
+        self._epoch = 0  # bumped by every change of the registered servers
         for server_id, handle in (servers or {}).items():
             self.add_server(server_id, handle)
 
@@ -45,6 +50,7 @@ class LoadBalancer:
             raise ValueError(f"server {server_id!r} is already registered")
         self._servers[server_id] = handle
         self._in_flight[server_id] = 0
+        self._epoch += 1
 
     def add_server_at(self, server_id: str, handle: Any, version: int) -> bool:
         """Register a (re)started server that holds weights `version`, unless newer weights were recorded since
@@ -78,6 +84,7 @@ class LoadBalancer:
             return []
         del self._servers[server_id]
         del self._in_flight[server_id]
+        self._epoch += 1
         orphans = [rid for rid, sid in self._sticky.items() if sid == server_id]
         for rid in orphans:
             del self._sticky[rid]
@@ -89,24 +96,36 @@ class LoadBalancer:
         return server_id, self._servers[server_id]
 
     def acquire_id(self, request_id: str) -> str:
-        """`acquire` without the handle: remote clients cache handles (`handle`), since deserialising a Ray actor
-        handle on every call costs more than the routing itself."""
+        """`acquire` without the handle."""
         if not self._servers:
             raise NoServerError("no rollout server is registered with the load balancer")
         server_id = self._sticky.get(request_id)
         if server_id is None:
             server_id = min(self._in_flight, key=self._in_flight.__getitem__)
+        self._stick(request_id, server_id)
+        self._in_flight[server_id] += 1
+        return server_id
+
+    def _stick(self, request_id: str, server_id: str) -> None:
         self._sticky[request_id] = server_id
         self._sticky.move_to_end(request_id)
         while len(self._sticky) > self._max_sessions:
             self._sticky.popitem(last=False)
-        self._in_flight[server_id] += 1
-        return server_id
 
-    def acquire_ids(self, request_ids: list[str]) -> list[str]:
-        """`acquire_id` for several calls in one RPC, in order (clients coalesce concurrent acquires: one round
-        trip per burst instead of one per request, so a burst reaches the engine together)."""
-        return [self.acquire_id(request_id) for request_id in request_ids]
+    def report(self, acquired: list[tuple[str, str]], released: list[str]) -> int:
+        """A client's routing decisions since its last report: calls started ((request id, server id): counted in
+        flight, the session now sticks there) and finished (server ids). Returns the membership epoch, so the
+        client sees in the reply whether its server set is stale."""
+        for request_id, server_id in acquired:
+            if server_id in self._in_flight:  # removed since the client decided: its release is ignored too
+                self._in_flight[server_id] += 1
+                self._stick(request_id, server_id)
+        self.release_ids(released)
+        return self._epoch
+
+    def view(self) -> tuple[int, dict[str, Any]]:
+        """The registered servers (id -> handle, in registration order) and the epoch they belong to."""
+        return self._epoch, dict(self._servers)
 
     def handle(self, server_id: str) -> Any:
         return self._servers.get(server_id)

@@ -52,7 +52,7 @@ def replica_count(num_devices: int, footprint_devices: int) -> int:
 
 
 class _BalancerActor(LoadBalancer):
-    """The balancer as a Ray actor: every request passes through it twice, so it must not run deprioritised."""
+    """The balancer as a Ray actor: every burst of calls is reported to it, so it must not run deprioritised."""
 
     def __init__(self) -> None:
         restore_niceness()

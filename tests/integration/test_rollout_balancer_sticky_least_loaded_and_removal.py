@@ -1,8 +1,9 @@
 """Two replicas of a backend behind the global load balancer: a new request goes to the least loaded server, a
 multi-turn session sticks to its server even when that server is busier, and removing a replica at run time
-re-routes its sessions to the survivor (replicas are added and removed on the live manager). A client coalesces a
-burst of concurrent calls into one balancer round trip for the acquires and one message for the releases, and the
-balancer still decides them one by one, in call order."""
+re-routes its sessions to the survivor (replicas are added and removed on the live manager), and the balancer
+actor keeps the record of calls in flight and sessions. A client routes a burst itself, one call at a time in call
+order by the same rules, and reports it to the balancer in one message for the starts and one for the ends; a
+new event loop fetches the server set once."""
 
 from __future__ import annotations
 
@@ -60,19 +61,19 @@ class CountingBalancer(LoadBalancer):
         super().__init__({"a": None, "b": None})
         self.rpcs = 0
 
-    def acquire_ids(self, request_ids: list[str]) -> list[str]:
+    def view(self) -> tuple[int, dict]:
         self.rpcs += 1
-        return super().acquire_ids(request_ids)
+        return super().view()
 
-    def release_ids(self, server_ids: list[str]) -> None:
+    def report(self, acquired: list[tuple[str, str]], released: list[str]) -> int:
         self.rpcs += 1
-        super().release_ids(server_ids)
+        return super().report(acquired, released)
 
     def rpc_count(self) -> int:
         return self.rpcs
 
 
-def test_client_coalesces_a_burst_into_few_balancer_calls(ray_cluster):
+def test_client_routes_a_burst_itself_and_reports_it_in_few_balancer_calls(ray_cluster):
     balancer = ray.remote(CountingBalancer).remote()
     client = LLMServerClient(balancer)
 
@@ -86,7 +87,7 @@ def test_client_coalesces_a_burst_into_few_balancer_calls(ray_cluster):
     rids = [f"r{i}" for i in range(16)]
     assert run(burst(rids)) == ["a", "b"] * 8  # least loaded, decided one at a time in call order
     assert ray.get(balancer.in_flight.remote()) == {"a": 0, "b": 0}
-    assert ray.get(balancer.rpc_count.remote()) <= 3  # one or two acquire round trips, one release message
+    assert ray.get(balancer.rpc_count.remote()) == 3  # the server set, one report of starts, one of ends
     # A new event loop (one asyncio.run per step): sessions stay sticky, new ones are routed least loaded.
     assert run(burst(["r1", "new", "r0"])) == ["b", "a", "a"]
     assert ray.get(balancer.in_flight.remote()) == {"a": 0, "b": 0}

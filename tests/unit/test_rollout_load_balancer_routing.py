@@ -1,7 +1,7 @@
 """The load balancer's rules without Ray: least in-flight wins (ties to the first registered), a session sticks
 to its server whatever the load, removal re-routes exactly the removed server's sessions, and late releases from
-a removed server are harmless; the batched calls that clients coalesce bursts into decide exactly like one call
-per request."""
+a removed server are harmless; the reports in which clients send their own routing decisions keep the same
+record of calls in flight and sessions as routing here would, and every change of membership moves the epoch."""
 
 from __future__ import annotations
 
@@ -62,11 +62,19 @@ def test_errors_name_the_problem():
         lb.add_server("a")
 
 
-def test_batched_acquire_and_release_match_one_by_one():
-    one, batched = LoadBalancer({"a": None, "b": None}), LoadBalancer({"a": None, "b": None})
+def test_client_reports_keep_the_record_and_membership_moves_the_epoch():
+    local, record = LoadBalancer({"a": None, "b": None}), LoadBalancer({"a": None, "b": None})
     rids = ["s1", "s2", "s1", "s3", "s4"]
-    assert batched.acquire_ids(rids) == [one.acquire_id(r) for r in rids] == ["a", "b", "a", "b", "a"]
-    assert batched.in_flight() == one.in_flight() == {"a": 3, "b": 2}
-    batched.remove_server("b")
-    batched.release_ids(["a", "b", "a"])  # "b" was removed while its call ran: ignored
-    assert batched.in_flight() == {"a": 1}
+    decided = [(rid, local.acquire_id(rid)) for rid in rids]
+    assert [sid for _, sid in decided] == ["a", "b", "a", "b", "a"]
+    epoch, _ = record.view()
+    assert record.report(decided, []) == epoch
+    assert record.in_flight() == local.in_flight() == {"a": 3, "b": 2}
+    assert record.session_server("s2") == "b" and record.acquire_id("s3") == "b"  # sticky as reported
+    record.remove_server("b")
+    assert record.view() == (epoch + 1, {"a": None})
+    # "b" was removed while its calls ran: their releases, and a late decision for it, are ignored.
+    assert record.report([("s5", "b")], ["a", "b", "a"]) == epoch + 1
+    assert record.in_flight() == {"a": 1} and record.session_server("s5") is None
+    record.add_server("c")
+    assert record.view()[0] == epoch + 2
