@@ -25,6 +25,10 @@ class ResourceConfig:
     # Role workers sharing one device slot (actor, ref, critic, rollout in hybrid mode): each Ray worker asks for
     # 1 / max_colocate_count of a GPU so that they are placed on the same devices.
     max_colocate_count: int = 1
+    # CPU-only hosts: compute (intra-op) threads of the trainer's workers on a device slot. 0 picks them: where the
+    # rollout is hybrid, training and generation take turns on a slot, so the workers use the node's cores divided
+    # by its slots; otherwise 1 (the engines run beside them). Ignored on GPU hosts (1 thread per worker).
+    cpu_threads_per_slot: int = 0
 
 
 @dataclass

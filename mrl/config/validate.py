@@ -93,6 +93,7 @@ def _positive_sizes(cfg: DictConfig, _: bool) -> Iterator[Violation]:
                  "rollout.pipeline_model_parallel_size", "weight_sync.bucket_size_mb",
                  "weight_sync.parameter_sync_step", "trainer.total_training_steps"):
         yield from _at_least(cfg, path, 1)
+    yield from _at_least(cfg, "resources.cpu_threads_per_slot", 0)
     for role in ENGINE_ROLES:
         for key in PARALLEL_SIZES:
             yield from _at_least(cfg, f"{role}.megatron.{key}", 1)

@@ -29,6 +29,7 @@ from mrl.data.batch import Batch
 from mrl.data.jagged import JaggedTensor
 from mrl.data.samples import write_back
 from mrl.utils.phase_memory import phase_memory, tracks_memory
+from mrl.workers.cpu_threads import worker_threads
 from mrl.workers.token_level import rank_mismatch, token_advantages, token_level_advantages
 from mrl.workers.training_worker import StoreClient, TrainingWorker, jagged_from_flat, to_engine_batch
 
@@ -71,8 +72,7 @@ def make_actor_loss_fn(config: ActorLossConfig) -> Any:
 class ActorRolloutRefWorker(StoreClient, Worker):
     def __init__(self, config: MrlConfig, with_ref: bool = False) -> None:
         super().__init__()
-        # Several roles and the rollout share a few cores: one intra-op thread per process.
-        torch.set_num_threads(1)
+        torch.set_num_threads(worker_threads(config, torch.cuda.is_available()))  # mrl/workers/cpu_threads.py
         self.config = config
         self.with_ref = with_ref
         self.actor: TrainingWorker | None = None

@@ -22,6 +22,7 @@ from mrl.data.samples import write_back
 from mrl.engine.megatron.engine import MegatronEngine
 from mrl.engine.megatron.packing import PackedMicroBatch, shift_to_tokens
 from mrl.utils.phase_memory import phase_memory, tracks_memory
+from mrl.workers.cpu_threads import worker_threads
 from mrl.workers.training_worker import StoreClient, TrainingWorker, jagged_from_flat, to_engine_batch
 
 CRITIC_MESH = "critic"
@@ -73,7 +74,7 @@ class CriticWorker(StoreClient, Worker):
 
     def __init__(self, config: MrlConfig) -> None:
         super().__init__()
-        torch.set_num_threads(1)
+        torch.set_num_threads(worker_threads(config, torch.cuda.is_available()))  # mrl/workers/cpu_threads.py
         self.config = config
         self.critic: TrainingWorker | None = None
         self.loss_fn = make_value_loss_fn(config.critic.cliprange_value, config.actor.loss_agg_mode)

@@ -54,6 +54,7 @@ INVALID = [
     (["actor.ppo_max_token_len_per_gpu=32"], "actor.ppo_max_token_len_per_gpu", "must hold the longest sample"),
     (["actor.ppo_epochs=0"], "actor.ppo_epochs", ">= 1"),
     (["rollout.n=0"], "rollout.n", ">= 1"),
+    (["resources.cpu_threads_per_slot=-1"], "resources.cpu_threads_per_slot", ">= 0"),
     # parallel layouts against the devices and the model
     (["resources.n_gpus_per_node=3", "actor.megatron.tensor_model_parallel_size=2"],
      "actor.megatron.tensor_model_parallel_size", "must divide the trainer's devices"),

@@ -1,0 +1,33 @@
+"""Compute threads of the trainer's workers on a device slot of a CPU-only host.
+
+A CPU slot stands in for a device and its cores are shared by everything placed on it. With a hybrid rollout the
+workers and the slot's engine take turns (generate, then old log-prob / update / weight export), so the workers
+may use every core of the slot while the engine waits; with one thread each, one of two cores idled through the
+whole training phase (measured: tools/bench/e2e_vs_trl.py). Standalone and colocated engines generate while the
+workers train, so the workers keep one thread there. The vLLM engine keeps its own default on CPU: one compute
+thread, with the slot's other core reserved for its engine-core process, which busy-polls the worker during
+generation. On a GPU host the device does the work and each worker keeps one thread.
+"""
+
+from __future__ import annotations
+
+import os
+
+from mrl.config.schema import MrlConfig
+
+
+def host_cores() -> int:
+    """Cores this process may run on (its affinity mask, which a container or taskset narrows)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def worker_threads(c: MrlConfig, use_gpu: bool) -> int:
+    """Intra-op threads of a trainer worker: 1 on GPU hosts; else `resources.cpu_threads_per_slot`, or (0) the
+    node's cores divided by its device slots when the rollout is hybrid, 1 otherwise."""
+    if use_gpu:
+        return 1
+    if c.resources.cpu_threads_per_slot > 0:
+        return c.resources.cpu_threads_per_slot
+    if c.rollout.mode != "hybrid":
+        return 1
+    return max(1, host_cores() // c.resources.n_gpus_per_node)
