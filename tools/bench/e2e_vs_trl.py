@@ -13,7 +13,6 @@ TRL gets two. The model is a random-weight Qwen2 (no warm-up: the task accuracy 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import statistics
 import tempfile
@@ -43,7 +42,7 @@ def make_model(out: Path, size: str, length: int) -> tuple[str, list[dict], Any]
     return str(out / "model"), train, params
 
 
-def run_mrl(model: str, data: Path, args: argparse.Namespace) -> list[float]:
+def run_mrl(model: str, data: Path, args: argparse.Namespace) -> list[dict[str, float]]:
     from mrl.config.loader import load_config
     from mrl.trainer.build import build_trainer, shutdown
     from mrl.trainer.main import init_ray
@@ -56,15 +55,18 @@ def run_mrl(model: str, data: Path, args: argparse.Namespace) -> list[float]:
         "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.rollout_dump_per_step=0",
         f"trainer.default_local_dir={data.parent / 'mrl_run'}",
         "reward.reward_fn='mrl.data.synthetic:exact_match_reward'",
+        *args.mrl_set,
     ])
     trainer = build_trainer(cfg)
     try:
-        return [m["timing_s/step"] for m in trainer.fit()]
+        # Per step: the whole step and each stage (timing_s/gen, old_log_prob, update_actor, update_weights, ...).
+        return [{k.removeprefix("timing_s/"): v for k, v in m.items() if k.startswith("timing_s/")}
+                for m in trainer.fit()]
     finally:
         shutdown(trainer)
 
 
-def run_trl(model: str, rows: list[dict], out: Path, args: argparse.Namespace) -> list[float]:
+def run_trl(model: str, rows: list[dict], out: Path, args: argparse.Namespace) -> list[dict[str, float]]:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -79,11 +81,26 @@ def run_trl(model: str, rows: list[dict], out: Path, args: argparse.Namespace) -
         return [exact_match_reward(c[0]["content"], g) for c, g in zip(completions, ground_truth)]
 
     class StepClock(TrainerCallback):
+        """Wall time of every optimizer step and of TRL's stages inside it (seconds accumulated since the last)."""
+
         def __init__(self) -> None:
             self.ends = [time.perf_counter()]
+            self.stages: dict[str, float] = {}
+            self.per_step: list[dict[str, float]] = []
+
+        def timed(self, name: str, fn: Any) -> Any:
+            def wrapper(*a: Any, **kw: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    self.stages[name] = self.stages.get(name, 0.0) + time.perf_counter() - start
+            return wrapper
 
         def on_step_end(self, *_: Any, **__: Any) -> None:
             self.ends.append(time.perf_counter())
+            self.per_step.append(self.stages)
+            self.stages = {}
 
     clock = StepClock()
     dataset = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"]}
@@ -99,11 +116,30 @@ def run_trl(model: str, rows: list[dict], out: Path, args: argparse.Namespace) -
         processing_class=AutoTokenizer.from_pretrained(model), reward_funcs=reward, args=config,
         train_dataset=dataset, callbacks=[clock],
     )
+    # gen: model.generate; reward: the reward function; generate_and_score: both plus old log-probs (computed
+    # since B/M > 1 updates share one generation), advantages and tokenisation.
+    for method, name in [("_generate", "gen"), ("_calculate_rewards", "reward"),
+                         ("_generate_and_score_completions", "generate_and_score")]:
+        setattr(trainer, method, clock.timed(name, getattr(trainer, method)))
     trainer.train()
-    ends = clock.ends[1:]
     # One mrl step = one generation round = `updates` optimizer steps.
-    marks = [clock.ends[0]] + ends[updates - 1 :: updates]
-    return [b - a for a, b in itertools.pairwise(marks)]
+    steps = []
+    for k in range(args.steps):
+        marks = clock.ends[k * updates : (k + 1) * updates + 1]
+        stages: dict[str, float] = {}
+        for s in clock.per_step[k * updates : (k + 1) * updates]:
+            for name, v in s.items():
+                stages[name] = stages.get(name, 0.0) + v
+        step = marks[-1] - marks[0]
+        score = stages.pop("generate_and_score", 0.0)
+        stages["old_log_prob+adv"] = score - stages.get("gen", 0.0) - stages.get("reward", 0.0)
+        stages["train"] = step - score
+        steps.append({"step": step, **stages})
+    return steps
+
+
+def medians(steps: list[dict[str, float]]) -> dict[str, float]:
+    return {k: round(statistics.median(s.get(k, 0.0) for s in steps), 3) for k in steps[0]}
 
 
 def main() -> int:
@@ -116,17 +152,21 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rollout", choices=["vllm", "hf"], default="vllm")
     parser.add_argument("--only", choices=["mrl", "trl"], default=None)
+    parser.add_argument("--mrl-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra mrl config override (repeatable), e.g. rollout.recompute_old_log_prob=false")
     args = parser.parse_args()
     out = Path(tempfile.mkdtemp(prefix="e2e_vs_trl_"))
     model, rows, params = make_model(out, args.size, 4)
     result: dict[str, Any] = {"size": args.size, "parameters": params, **vars(args)}
+    runs = {}
     if args.only in (None, "trl"):
-        result["trl_step_s"] = run_trl(model, rows, out, args)[1:]
+        runs["trl"] = run_trl(model, rows, out, args)[1:]
     if args.only in (None, "mrl"):
-        result["mrl_step_s"] = run_mrl(model, out / "train.parquet", args)[1:]
-    for side in ("trl", "mrl"):
-        if f"{side}_step_s" in result:
-            result[f"{side}_median_s"] = statistics.median(result[f"{side}_step_s"])
+        runs["mrl"] = run_mrl(model, out / "train.parquet", args)[1:]
+    for side, steps in runs.items():
+        result[f"{side}_step_s"] = [round(s["step"], 3) for s in steps]
+        result[f"{side}_median_s"] = statistics.median(s["step"] for s in steps)
+        result[f"{side}_stage_median_s"] = medians(steps)
     if "trl_median_s" in result and "mrl_median_s" in result:
         result["speedup_mrl_over_trl"] = result["trl_median_s"] / result["mrl_median_s"]
     print(json.dumps(result, indent=1))
