@@ -6,9 +6,9 @@ keys without touching data. `SampleStore` is the picklable client every process 
 
 A value may be a dict of fields (a trajectory's per-token tensors, mrl/data/samples.py): `get(keys, fields)` ships
 only the fields asked for, and `update` adds fields to stored values (a worker's outputs under the sample's key).
-For 1-D tensor fields, `get_jagged` / `update_jagged` move one `JaggedTensor` per field and storage unit instead of
-one tensor per sample: pickling cost grows with the number of tensors (measured under load: 512 samples × 3 fields
-cost 300 ms per fetch one by one).
+For 1-D tensor fields, `put_jagged_async` / `get_jagged` / `update_jagged` move one `JaggedTensor` per field and
+storage unit instead of one tensor per sample: pickling cost grows with the number of tensors (measured under load:
+512 samples × 3 fields cost 300 ms per fetch one by one, 27 ms as columns).
 """
 
 from __future__ import annotations
@@ -48,9 +48,11 @@ class StorageUnit:
         rows = self.get(keys, fields)
         return {f: JaggedTensor.from_list([r[f] for r in rows]) for f in fields}
 
-    def update_jagged(self, keys: Sequence[str], columns: dict[str, JaggedTensor]) -> int:
+    def put_jagged(self, keys: Sequence[str], columns: dict[str, JaggedTensor], new: bool = True) -> int:
+        """Row i of each column becomes that field of keys[i]: a new value (`new`), else added to the stored one."""
         # clone: a row of the column is a view, and a later `get` of it would pickle the whole column
-        return self.update({k: {f: j[i].clone() for f, j in columns.items()} for i, k in enumerate(keys)})
+        rows = {k: {f: j[i].clone() for f, j in columns.items()} for i, k in enumerate(keys)}
+        return self.put(rows) if new else self.update(rows)
 
     def update(self, fields_by_key: dict[str, dict[str, Any]]) -> int:
         missing = [k for k in fields_by_key if k not in self.data]
@@ -116,19 +118,16 @@ class SampleStore:
 
     def put(self, items: dict[str, Any], tags: dict[str, dict[str, Any]] | None = None) -> list[str]:
         """Store values by key (values first, then tags, so a key that can be selected can always be read)."""
-        ray.get(self._put_refs(items))
+        ray.get([self.units[u].put.remote({k: items[k] for k in ks}) for u, ks in self._by_unit(items).items()])
         ray.get(self.metadata.register.remote({k: (tags or {}).get(k, {}) for k in items}))
         return list(items)
 
-    async def put_async(self, items: dict[str, Any], tags: dict[str, dict[str, Any]] | None = None) -> list[str]:
-        """`put` from a coroutine (an agent-loop actor): awaits instead of blocking the event loop."""
-        for ref in self._put_refs(items):
+    async def put_jagged_async(self, keys: Sequence[str], columns: dict[str, JaggedTensor]) -> None:
+        """New dict values from columns aligned with `keys` (see `update_jagged`), from a coroutine (an agent-loop
+        actor): awaits instead of blocking its event loop."""
+        for ref in self._jagged_refs(keys, columns, new=True):
             await ref
-        await self.metadata.register.remote({k: (tags or {}).get(k, {}) for k in items})
-        return list(items)
-
-    def _put_refs(self, items: dict[str, Any]) -> list[Any]:
-        return [self.units[u].put.remote({k: items[k] for k in ks}) for u, ks in self._by_unit(items).items()]
+        await self.metadata.register.remote({k: {} for k in keys})
 
     def get(self, keys: Sequence[str], fields: Sequence[str] | None = None) -> list[Any]:
         """Values in the order of `keys`; with `fields`, only those entries of each (dict) value."""
@@ -153,12 +152,15 @@ class SampleStore:
 
     def update_jagged(self, keys: Sequence[str], columns: dict[str, JaggedTensor]) -> None:
         """`update` from columns aligned with `keys`: row i of each column becomes that field of keys[i]."""
+        ray.get(self._jagged_refs(keys, columns, new=False))
+
+    def _jagged_refs(self, keys: Sequence[str], columns: dict[str, JaggedTensor], new: bool) -> list[Any]:
         positions: dict[int, list[int]] = {}
         for i, k in enumerate(keys):
             positions.setdefault(self._unit_of(k), []).append(i)
-        ray.get([self.units[u].update_jagged.remote([keys[i] for i in ps],
-                                                    {f: j.index_select(torch.tensor(ps)) for f, j in columns.items()})
-                 for u, ps in positions.items()])
+        return [self.units[u].put_jagged.remote([keys[i] for i in ps],
+                                                {f: j.index_select(torch.tensor(ps)) for f, j in columns.items()}, new)
+                for u, ps in positions.items()]
 
     def update(self, fields_by_key: dict[str, dict[str, Any]]) -> None:
         """Add (or replace) fields of stored dict values: {key: {field: value}}."""

@@ -14,8 +14,9 @@ from typing import Any
 
 import ray
 
+from mrl.data.jagged import JaggedTensor
 from mrl.data.sample_store import SampleStore
-from mrl.data.samples import payload
+from mrl.data.samples import TRAJECTORY_FIELDS, payload
 from mrl.rollout.agent_loop.base import Tool, Trajectory, agent_loop_class
 from mrl.rollout.client import FaultPolicy, FullyAsyncLLMServerClient, LLMServerClient, wait_within
 
@@ -69,8 +70,9 @@ class AgentLoopWorker:
                 calls.append(self.loop.run(sessions[-1], sample, params))
         trajectories = await asyncio.gather(*calls)
         keys = [uuid.uuid4().hex for _ in trajectories]  # unique per trajectory, whatever the uid
-        await self.store.put_async({k: payload(t.prompt_ids, t.response_ids, t.response_mask, t.rollout_log_probs)
-                                    for k, t in zip(keys, trajectories)})
+        payloads = [payload(t.prompt_ids, t.response_ids, t.response_mask, t.rollout_log_probs) for t in trajectories]
+        await self.store.put_jagged_async(keys, {f: JaggedTensor.from_list([p[f] for p in payloads])
+                                                 for f in TRAJECTORY_FIELDS})
         return [record(t, k, sid, self.decode_model_tokens(t)) for t, k, sid in zip(trajectories, keys, sessions)]
 
     def decode_model_tokens(self, traj: Trajectory) -> str:
