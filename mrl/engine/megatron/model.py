@@ -159,9 +159,10 @@ def build_model(
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    from mrl.engine.megatron import cpu_compat
+    from mrl.engine.megatron import cpu_compat, rope
 
     cpu_compat.apply()
+    rope.install()
     vpp = config.virtual_pipeline_model_parallel_size
     stages = [None] if not vpp or vpp == 1 else list(range(vpp))
     chunks: list[torch.nn.Module] = []
