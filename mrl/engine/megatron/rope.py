@@ -37,6 +37,22 @@ def positions_in_documents(cu_seqlens: Tensor, total: int) -> Tensor:
     return torch.arange(total, device=cu.device) - starts
 
 
+# (offsets tensor, device) → positions on that device. Megatron hands every layer's q and k the same offsets
+# tensor of a micro-batch; without TE it is a host tensor (mrl.engine.megatron.packing), and a blocking host → GPU
+# copy per call would synchronise the host with the GPU twice per layer. One cached copy per micro-batch instead.
+_positions_cache: tuple[Tensor, torch.device, Tensor] | None = None
+
+
+def _device_positions(cu_seqlens: Tensor, total: int, device: torch.device) -> Tensor:
+    global _positions_cache
+    cached = _positions_cache
+    if cached is not None and cached[0] is cu_seqlens and cached[1] == device:
+        return cached[2]
+    positions = positions_in_documents(cu_seqlens, total).to(device, non_blocking=True)
+    _positions_cache = (cu_seqlens, device, positions)  # holding the key keeps its identity unique
+    return positions
+
+
 def apply_rotary_pos_emb_thd(
     t: Tensor,
     cu_seqlens: Tensor,
@@ -60,7 +76,7 @@ def apply_rotary_pos_emb_thd(
         return _megatron_thd(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
                              mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale, cp_group=cp_group,
                              multi_latent_attention=multi_latent_attention)
-    per_token = freqs[positions_in_documents(cu_seqlens, total).to(freqs.device)]
+    per_token = freqs[_device_positions(cu_seqlens, total, freqs.device)]
     return rope_utils._apply_rotary_pos_emb_bshd(
         t.unsqueeze(1), per_token, rotary_interleaved=rotary_interleaved,
         mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale,
