@@ -1,10 +1,36 @@
 """Side by side on this CPU: TRL's GRPOTrainer vs mrl (Megatron actor + vLLM-CPU/HF rollout), same model, task,
-prompts per step B, samples per prompt n, mini-batch M, completion length; median wall seconds per step.
+prompts per step B, samples per prompt n, mini-batch M, completion length; median wall seconds per step, and the
+median of each stage (mrl: the trainer's `timing_s/*`; TRL: `gen` = model.generate, `old_log_prob+adv` = the
+rest of its generate-and-score, `train` = the optimizer steps' forward/backward).
 
 One step = generate B·n completions, score them, B/M optimizer updates (TRL: steps_per_generation = B/M,
 per_device_train_batch_size = M·n completions; its step time is the time of B/M optimizer steps). The first step
-of each side is dropped (start-up, caches). Threads: mrl runs a worker and a rollout server with one thread each,
-TRL gets two. The model is a random-weight Qwen2 (no warm-up: the task accuracy is irrelevant to throughput).
+of each side is dropped (start-up, caches). The model is a random-weight Qwen2 (no warm-up: the task accuracy is
+irrelevant to throughput), fp32 on both sides.
+
+Same algorithmic work on both sides: B/M = 2 updates share one generation, so both recompute old log-probs with
+the trainer's model (TRL does whenever gradient_accumulation_steps is not a multiple of steps_per_generation;
+mrl's rollout.recompute_old_log_prob stays true, although vLLM returns the same log-probs: `--mrl-set
+rollout.recompute_old_log_prob=false` measures that bypass separately); neither computes reference log-probs (TRL
+beta=0, mrl no KL loss or KL reward). Threads: TRL gets two; mrl's Megatron worker uses both cores while the
+hybrid rollout waits (mrl/workers/cpu_threads.py) and vLLM-CPU keeps its default of one compute thread plus its
+busy-polling engine-core process (binding two compute threads, VLLM_CPU_OMP_THREADS_BIND=0-1, made generation
+> 2.5x slower here: 16,384 tokens in > 65 s vs 26 s).
+
+Measured 2026-11-30 on the shared 2-core CI host (AMD EPYC, other helpers' tests running: load 2-16), one run
+each, median over steps 2-6:
+
+    size | TRL s/step | mrl s/step | mrl/TRL | TRL gen / old_lp+adv / train | mrl gen / old_lp / update / sync
+    tiny |   0.315    |   0.827    |  0.38x  | 0.07 / 0.05 / 0.19           | 0.27 / 0.12 / 0.40 / 0.06
+    50m  |  83.3      |  77.3      |  1.08x  | 21.1 / 12.2 / 50.0           | 23.3 / 12.8 / 40.8 / 0.4
+    before (worker on one thread, per-document RoPE): tiny 0.978 s/step, 0.33x (same host, run the same evening);
+    50m not re-run whole: an A/B of the engine alone (64 x 140 tokens) gave update 33-37 -> 19.5 s and log-prob
+    10.4-11.2 -> 6.6 s with two threads, which puts the old step at ~118 s, ~0.7x (earlier report: 0.77x)
+
+At 50m the update (forward + backward + Adam over the same tokens on both sides) is ~50% of TRL's step and the
+same FLOPs for mrl, so on two cores 2x is out of reach: even free generation and free old log-probs would only
+reach 83 / 41 = 2.0x. The issue's 2x assumes generation dominates, which holds on GPUs (vLLM vs
+HF generate) but not here, where vLLM-CPU with one thread decodes no faster than HF generate with two.
 
     PYTHONPATH=/path/to/trl python tools/bench/e2e_vs_trl.py --size tiny
     PYTHONPATH=/path/to/trl python tools/bench/e2e_vs_trl.py --size 50m --completion-length 128
