@@ -2,25 +2,34 @@
 
 Both paths run the same engine configuration on the same tiny model with the same requests (distinct prompts,
 fixed lengths, ignore_eos, sampled-token log-probs, per-request seeds). The mrl path is
-client -> load-balancer actor -> Ray RPC -> RolloutServer actor -> adapter -> AsyncLLM; the direct path calls
-AsyncLLM.generate in this process. The two alternate `--repeats` times per concurrency level so that load from
-other work on the machine hits both alike; the table reports medians and mrl / direct (goal >= 0.95).
+client (routes locally, reports to the load-balancer actor without waiting) -> Ray RPC (`generate`, or one
+`generate_many` per server for the calls of one loop tick) -> RolloutServer actor -> adapter -> AsyncLLM; the
+direct path calls AsyncLLM.generate in this process. The two alternate `--repeats` times per concurrency level so
+that load from other work on the machine hits both alike; the table reports medians and mrl / direct (goal >=
+0.95), then the median latency of 1-token requests sent one at a time on each path (the fixed cost of a call).
+The editable install points at the main checkout: run with PYTHONPATH=<checkout> to measure another one.
 
-Measured 2026-11-29 on the 2-core CI host with nothing else running (tiny qwen2, defaults but --max-tokens):
+Measured 2026-11-29 on the 2-core CI host, defaults (128 tokens), mrl/direct at concurrency 1 / 8 / 32:
 
-    max-tokens | mrl/direct at concurrency 1 / 8 / 32
-    128        | 0.932 / 0.965 / 0.927   (run 1)
-    128        | 0.936 / 1.001 / 0.870   (run 2)
-    384        | 0.970 / 0.963 / 1.004
+    quiet host, before (two serial Ray round trips per call: acquire, then the server call; one RPC per call)
+                 0.932 / 0.965 / 0.927, 0.936 / 1.001 / 0.870;  384 tokens: 0.970 / 0.963 / 1.004
+    shared host (load average 3-35 from other jobs, so +-0.08 run to run), same bench file, code before / after
+    this change, runs interleaved between 22:47 and 00:25:
+      before  1: 0.981 0.924 0.945 0.931   8: 0.911 0.839 0.975 0.923   32: 1.030 0.958 0.898 0.858
+      after   1: 0.991 0.973 1.033         8: 0.968 0.938 0.895         32: 0.960 0.937 0.910
+      1-token latency, mrl / direct (ms): before 10.7/5.0, 9.5/4.9, 8.8/3.7; after 12.5/6.1 (load 20),
+      10.2/4.7, 10.8/4.4 (load 30). On this host the difference is inside the noise: re-run on a quiet one.
 
-At 128 tokens a timed phase lasts only 0.3-0.6 s (430-480 tok/s at 1, ~7,500 at 32), so the fixed cost of a
-call (two Ray round trips: balancer acquire + server call; 8-9 ms vs 4 ms for a 1-token request direct) and
-noise (+-0.05 between runs at 8 and 32) weigh heavily; with 3x longer phases one run gave >= 0.96 at each level.
-Ruled out by measurement: niceness (every thread of the server, its engine core and worker runs at 0),
+Where a 1-token call's time goes (shared host, load 2-4, medians): direct 5.0 ms; the same request as a bare
+Ray call to the server actor 8.4 ms (a trivial actor call is 1.0 ms, so ~2.4 ms are spent in the server process
+around the engine); through the client 10.7 ms (routing locally, every report's reply read): 2.3 ms of client.
+Against a stub server (no engine) the client adds to a bare Ray call: 1.3-1.7 ms before (acquire round trip +
+release message), 1.0 ms routing locally with a reply read per report, 0.55 ms reading at most one reply per
+0.1 s. A burst of 32 calls to one server was 32 RPCs (22 ms of client + server CPU for stub calls under load)
+and is now one `generate_many` whose results come back in a few groups (2-4 ms).
+Ruled out earlier by measurement: niceness (every thread of the server, its engine core and worker runs at 0),
 thread counts (vLLM's auto-binding pins each engine's worker to core 0, same threads, on both paths), per-chunk
-work (both paths ask for FINAL_ONLY). CPU per 32-request phase: server 0.12 s + client 0.02-0.03 + balancer
-0.01-0.02, against 0.10 s for the driver direct, on two cores that the engine core (0.4 s, busy-polling) and
-its worker (0.5 s) already keep busy.
+work (both paths ask for FINAL_ONLY).
 
     python tools/bench/rollout.py [--repeats 5] [--concurrency 1 8 32] [--max-tokens 128] [--family qwen2]
 """
@@ -122,6 +131,18 @@ async def bench(args: argparse.Namespace, model_dir: str) -> None:
             mrl = statistics.median(rates[(conc, "mrl")])
             direct = statistics.median(rates[(conc, "direct")])
             print(f"{conc:>11} | {mrl:>10.1f} | {direct:>12.1f} | {mrl / direct:>10.3f} | {args.repeats}")
+        # The fixed cost of one call: a 1-token request, one at a time, the two paths alternating in blocks.
+        latency: dict[str, list[float]] = {"mrl": [], "direct": []}
+        one = prompts(1)
+        for _ in range(args.repeats):
+            for path in ("mrl", "direct"):
+                for _ in range(10):
+                    start = time.perf_counter()
+                    await (run_mrl(client, one, 1) if path == "mrl" else run_direct(engine, one, 1))
+                    latency[path].append((time.perf_counter() - start) * 1e3)
+        mrl, direct = (statistics.median(latency[path]) for path in ("mrl", "direct"))
+        print(f"\n1-token request, one at a time: mrl {mrl:.2f} ms, direct {direct:.2f} ms (medians of "
+              f"{len(latency['mrl'])})")
     finally:
         engine.shutdown()
         del engine  # shut down now, not in __del__ at interpreter exit (when vLLM's modules are half gone)
