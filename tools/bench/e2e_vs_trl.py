@@ -23,6 +23,8 @@ each, median over steps 2-6:
     size | TRL s/step | mrl s/step | mrl/TRL | TRL gen / old_lp+adv / train | mrl gen / old_lp / update / sync
     tiny |   0.315    |   0.827    |  0.38x  | 0.07 / 0.05 / 0.19           | 0.27 / 0.12 / 0.40 / 0.06
     50m  |  83.3      |  77.3      |  1.08x  | 21.1 / 12.2 / 50.0           | 23.3 / 12.8 / 40.8 / 0.4
+    50m, mrl with --mrl-set rollout.recompute_old_log_prob=false (bypass; a separate mrl-only run 40 min later):
+         64.8 s/step (gen 23.1, update 41.2, sync 0.4), i.e. 1.29x against the TRL median above (less work than TRL)
     before (worker on one thread, per-document RoPE): tiny 0.978 s/step, 0.33x (same host, run the same evening);
     50m not re-run whole: an A/B of the engine alone (64 x 140 tokens) gave update 33-37 -> 19.5 s and log-prob
     10.4-11.2 -> 6.6 s with two threads, which puts the old step at ~118 s, ~0.7x (earlier report: 0.77x)
