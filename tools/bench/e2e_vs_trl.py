@@ -31,8 +31,8 @@ each, median over steps 2-6:
 
 At 50m the update (forward + backward + Adam over the same tokens on both sides) is ~50% of TRL's step and the
 same FLOPs for mrl, so on two cores 2x is out of reach: even free generation and free old log-probs would only
-reach 83 / 41 = 2.0x. The issue's 2x assumes generation dominates, which holds on GPUs (vLLM vs
-HF generate) but not here, where vLLM-CPU with one thread decodes no faster than HF generate with two.
+reach 83 / 41 = 2.0x. The issue's 2x assumes generation dominates; here it does not, and vLLM-CPU
+with one thread decodes no faster than HF generate with two (on GPUs it may differ: not measured).
 
     PYTHONPATH=/path/to/trl python tools/bench/e2e_vs_trl.py --size tiny
     PYTHONPATH=/path/to/trl python tools/bench/e2e_vs_trl.py --size 50m --completion-length 128
