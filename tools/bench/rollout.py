@@ -19,6 +19,9 @@ Measured 2026-11-29 on the 2-core CI host, defaults (128 tokens), mrl/direct at 
       after   1: 0.991 0.973 1.033         8: 0.968 0.938 0.895         32: 0.960 0.937 0.910
       1-token latency, mrl / direct (ms): before 10.7/5.0, 9.5/4.9, 8.8/3.7; after 12.5/6.1 (load 20),
       10.2/4.7, 10.8/4.4 (load 30). On this host the difference is inside the noise: re-run on a quiet one.
+    quiet host (load average 0.9-1.8, nothing else running), after, two consecutive runs of the defaults:
+                 0.973 / 0.973 / 0.976, 1.078 / 0.994 / 0.972 (goal met at every level in both);
+                 1-token latency mrl / direct 10.25 / 4.61 ms, 10.48 / 4.65 ms
 
 Where a 1-token call's time goes (shared host, load 2-4, medians): direct 5.0 ms; the same request as a bare
 Ray call to the server actor 8.4 ms (a trivial actor call is 1.0 ms, so ~2.4 ms are spent in the server process
