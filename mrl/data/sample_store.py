@@ -110,6 +110,13 @@ class SampleStore:
     def _unit_of(self, key: str) -> int:
         return zlib.crc32(key.encode()) % len(self.units)
 
+    def _positions_by_unit(self, keys: Sequence[str]) -> dict[int, list[int]]:
+        """Positions in `keys` grouped by the unit holding each key (repeated keys keep every position)."""
+        positions: dict[int, list[int]] = {}
+        for i, k in enumerate(keys):
+            positions.setdefault(self._unit_of(k), []).append(i)
+        return positions
+
     def _by_unit(self, keys: Iterable[str]) -> dict[int, list[str]]:
         groups: dict[int, list[str]] = {}
         for k in keys:
@@ -139,9 +146,7 @@ class SampleStore:
 
     def get_jagged(self, keys: Sequence[str], fields: Sequence[str]) -> dict[str, JaggedTensor]:
         """1-D tensor `fields` of `keys` (repeats allowed), one JaggedTensor per field with rows in `keys` order."""
-        positions: dict[int, list[int]] = {}
-        for i, k in enumerate(keys):
-            positions.setdefault(self._unit_of(k), []).append(i)
+        positions = self._positions_by_unit(keys)
         parts = ray.get([self.units[u].get_jagged.remote([keys[i] for i in ps], list(fields))
                          for u, ps in positions.items()])
         # rows arrive grouped by unit; row r of the request is row inverse[r] of their concatenation
@@ -155,12 +160,9 @@ class SampleStore:
         ray.get(self._jagged_refs(keys, columns, new=False))
 
     def _jagged_refs(self, keys: Sequence[str], columns: dict[str, JaggedTensor], new: bool) -> list[Any]:
-        positions: dict[int, list[int]] = {}
-        for i, k in enumerate(keys):
-            positions.setdefault(self._unit_of(k), []).append(i)
         return [self.units[u].put_jagged.remote([keys[i] for i in ps],
                                                 {f: j.index_select(torch.tensor(ps)) for f, j in columns.items()}, new)
-                for u, ps in positions.items()]
+                for u, ps in self._positions_by_unit(keys).items()]
 
     def update(self, fields_by_key: dict[str, dict[str, Any]]) -> None:
         """Add (or replace) fields of stored dict values: {key: {field: value}}."""

@@ -71,6 +71,11 @@ class _LoopState:
     calls: dict[str, list[tuple[tuple, asyncio.Future]]] = field(default_factory=dict)
     tasks: set[asyncio.Task] = field(default_factory=set)  # tasks waiting for replies (the set keeps them alive)
 
+    def keep(self, task: asyncio.Task) -> None:
+        """Hold a fire-and-forget task until it ends (the event loop keeps only weak references)."""
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
 
 class LLMServerClient:
     """Routes each call itself, with the balancer's rules over its own calls (least in flight among this client's
@@ -159,9 +164,7 @@ class LLMServerClient:
         if loop is not None and loop.is_running() and loop.time() >= self._next_check:
             self._next_check = loop.time() + EPOCH_CHECK_S
             state = self._state(loop)
-            task = loop.create_task(self._check_epoch(reply, state))
-            state.tasks.add(task)
-            task.add_done_callback(state.tasks.discard)
+            state.keep(loop.create_task(self._check_epoch(reply, state)))
 
     async def _check_epoch(self, reply: Any, state: _LoopState) -> None:
         with contextlib.suppress(Exception):  # a lost reply only delays the refresh to the next report
@@ -186,9 +189,7 @@ class LLMServerClient:
         many = getattr(server, "generate_many", None)  # servers without it (PD routers) take one call per RPC
         groups = [batch] if many is not None and len(batch) > 1 else [[item] for item in batch]
         for group in groups:
-            task = asyncio.get_running_loop().create_task(self._deliver(server, group))
-            state.tasks.add(task)
-            task.add_done_callback(state.tasks.discard)
+            state.keep(asyncio.get_running_loop().create_task(self._deliver(server, group)))
 
     @staticmethod
     async def _deliver(server: Any, batch: list[tuple[tuple, asyncio.Future]]) -> None:

@@ -126,7 +126,7 @@ class ActorRolloutRefWorker(StoreClient, Worker):
         rollout-vs-trainer mismatch (`rank_mismatch`)."""
         fetched = self.fetch(batch, ["input_ids", "response_mask", "rollout_log_probs"])
         fetched["old_log_probs"] = self._infer(self.actor, fetched)
-        self.write(batch, fetched, ["old_log_probs"])
+        self.write(ACTOR_MESH, batch, {"old_log_probs": fetched.jagged_field("old_log_probs")})
         return rank_mismatch(fetched)
 
     @register(nd_compute(ACTOR_MESH), pad=True)
@@ -137,17 +137,12 @@ class ActorRolloutRefWorker(StoreClient, Worker):
             raise RuntimeError("compute_ref_log_prob: this worker was built without a reference policy")
         fetched = self.fetch(batch, ["input_ids"])
         fetched["ref_log_prob"] = self._infer(self.ref, fetched)
-        self.write(batch, fetched, ["ref_log_prob"])
+        self.write(ACTOR_MESH, batch, {"ref_log_prob": fetched.jagged_field("ref_log_prob")})
 
     def _infer(self, role: TrainingWorker | None, batch: Batch) -> JaggedTensor:
         assert role is not None, "init_model first"
         outputs = role.infer_batch(to_engine_batch(batch, ["input_ids"]))
         return jagged_from_flat(outputs["log_probs"], batch.jagged_field("input_ids"))
-
-    def write(self, light: Batch, fetched: Batch, fields: list[str]) -> None:
-        """Only the rank whose outputs dispatch collects (TP 0, last PP stage) writes them to the store."""
-        if self.mesh(ACTOR_MESH).is_collect:
-            write_back(self.store, light, {f: fetched.jagged_field(f) for f in fields})
 
     @register(Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO)
     def compute_token_advantages(self, batch: Batch, estimator: str, config: AdvantageConfig,

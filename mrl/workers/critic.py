@@ -18,7 +18,6 @@ from mrl.algo.value_loss import clipped_value_loss
 from mrl.config.schema import MrlConfig
 from mrl.controller import Dispatch, Worker, nd_compute, register
 from mrl.data.batch import Batch
-from mrl.data.samples import write_back
 from mrl.engine.megatron.engine import MegatronEngine
 from mrl.engine.megatron.packing import PackedMicroBatch, shift_to_tokens
 from mrl.utils.phase_memory import phase_memory, tracks_memory
@@ -103,9 +102,7 @@ class CriticWorker(StoreClient, Worker):
         assert self.critic is not None, "init_model first"
         fetched = self.fetch(batch, ["input_ids"])
         out = self.critic.infer_batch(to_engine_batch(fetched, ["input_ids"]))
-        if self.mesh(CRITIC_MESH).is_collect:
-            values = jagged_from_flat(out["values"], fetched.jagged_field("input_ids"))
-            write_back(self.store, batch, {"values": values})
+        self.write(CRITIC_MESH, batch, {"values": jagged_from_flat(out["values"], fetched.jagged_field("input_ids"))})
 
     @register(nd_compute(CRITIC_MESH))
     @tracks_memory("update_critic")

@@ -17,7 +17,7 @@ from torch import Tensor
 from mrl.controller import Dispatch, register
 from mrl.data.batch import Batch
 from mrl.data.jagged import JaggedTensor
-from mrl.data.samples import fetch
+from mrl.data.samples import fetch, write_back
 from mrl.engine.base import BaseEngine, LossFn
 
 
@@ -47,6 +47,12 @@ class StoreClient:
     @register(Dispatch.ONE_TO_ALL)
     def set_store(self, store: Any) -> None:
         self.store = store
+
+    def write(self, mesh: str, light: Batch, outputs: dict[str, JaggedTensor]) -> None:
+        """Per-token `outputs` of `light`'s rows into the store, by the one rank of `mesh` whose outputs dispatch
+        collects (TP 0, last PP stage): one writer per sample."""
+        if self.mesh(mesh).is_collect:  # mesh(): Worker's, which every role also is
+            write_back(self.store, light, outputs)
 
     def fetch(self, batch: Batch, fields: list[str]) -> Batch:
         old = self.old_log_prob_field
