@@ -20,6 +20,7 @@ from mrl.trainer.metrics import RunLogger
 from mrl.trainer.modes import trainer_class
 from mrl.trainer.ppo_trainer import PPOTrainer, TrainerParts
 from mrl.workers.actor_rollout_ref import ActorRolloutRefWorker
+from mrl.workers.cpu_threads import engine_env
 from mrl.workers.critic import CriticWorker
 
 
@@ -45,6 +46,7 @@ def rollout_spec(c: MrlConfig) -> ReplicaSpec:
         dtype=c.actor.megatron.params_dtype,
         seed=c.trainer.seed,
         engine_kwargs=engine_kwargs,
+        env=engine_env(c, torch.cuda.is_available()),
         host=r.server_host,
         allow_remote_access=r.allow_remote_access,
     )

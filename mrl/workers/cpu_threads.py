@@ -4,9 +4,10 @@ A CPU slot stands in for a device and its cores are shared by everything placed 
 workers and the slot's engine take turns (generate, then old log-prob / update / weight export), so the workers
 may use every core of the slot while the engine waits; with one thread each, one of two cores idled through the
 whole training phase (measured: tools/bench/e2e_vs_trl.py). Standalone and colocated engines generate while the
-workers train, so the workers keep one thread there. The vLLM engine keeps its own default on CPU: one compute
-thread, with the slot's other core reserved for its engine-core process, which busy-polls the worker during
-generation. On a GPU host the device does the work and each worker keeps one thread.
+workers train, so the workers keep one thread there. The rollout engine's server gets the same count
+(OMP_NUM_THREADS, `engine_env`): a one-device vLLM engine runs its model in its engine-core process on CPU
+(rollout_adapters/vllm/adapter.py), which computes with those threads and blocks while the trainer trains. On a
+GPU host the device does the work and each worker keeps one thread.
 """
 
 from __future__ import annotations
@@ -31,3 +32,8 @@ def worker_threads(c: MrlConfig, use_gpu: bool) -> int:
     if c.rollout.mode != "hybrid":
         return 1
     return max(1, host_cores() // c.resources.n_gpus_per_node)
+
+
+def engine_env(c: MrlConfig, use_gpu: bool) -> dict[str, str]:
+    """Environment of a rollout server on a CPU host: the slot's compute threads (Ray would set 1)."""
+    return {} if use_gpu else {"OMP_NUM_THREADS": str(worker_threads(c, use_gpu))}

