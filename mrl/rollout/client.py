@@ -186,7 +186,7 @@ class LLMServerClient:
 
     def _flush_calls(self, state: _LoopState, server_id: str, server: Any) -> None:
         batch = [(call, future) for call, future in state.calls.pop(server_id, []) if not future.done()]
-        many = getattr(server, "generate_many", None)  # servers without it (PD routers) take one call per RPC
+        many = getattr(server, "generate_many", None)  # a server without it takes one call per RPC
         groups = [batch] if many is not None and len(batch) > 1 else [[item] for item in batch]
         for group in groups:
             state.keep(asyncio.get_running_loop().create_task(self._deliver(server, group)))

