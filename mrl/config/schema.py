@@ -140,6 +140,10 @@ class ActorConfig:
     ppo_max_token_len_per_gpu: int = 4096
     # Passes over each step's samples.
     ppo_epochs: int = 1
+    # With ppo_epochs 1 and several updates per step, the first update trains on the weights π_old is computed
+    # with: take its π_old from its own forward and skip its rows in the old log-prob pass (1/updates of the pass;
+    # not with KL in reward, which reads π_old first). false: π_old of every row from the old log-prob pass.
+    on_policy_first_update: bool = True
     # Policy loss: ppo_clip (dual clip), gspo or cispo.
     policy_loss: str = "ppo_clip"
     # Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm.

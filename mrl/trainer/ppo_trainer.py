@@ -212,11 +212,13 @@ class PPOTrainer:
         return batch[batching.balance_order(batch["length"].tolist(), self.dp_size)]
 
     def compute_old_log_prob(self, batch: Batch) -> dict[str, float]:
-        """π_old of every token into the store (by the actor); returns the rollout-vs-trainer mismatch metrics."""
+        """π_old into the store (by the actor; all rows but those the first update trains on-policy); returns the
+        rollout-vs-trainer mismatch metrics of the rows it computed."""
         if not self.config.rollout.recompute_old_log_prob:
             # bypass: the workers read the rollout's log-probs as π_old, so the two agree exactly
             return {"rollout/logprob_mismatch": 1.0, "rollout/mismatch_kl": 0.0, "rollout/logprob_abs_diff_max": 0.0}
-        return batching.mismatch_over_ranks(self.parts.actor_rollout.compute_log_prob(batch))
+        # The actor skips rows its first update trains on-policy (ActorRolloutRefWorker.on_policy_rows).
+        return batching.mismatch_over_ranks(self.parts.actor_rollout.compute_log_prob(batch, self.num_updates))
 
     def compute_advantage(self, batch: Batch) -> Batch:
         """Outcome estimators give one scalar per sample (`advantage`, a column of the light batch); GAE (the

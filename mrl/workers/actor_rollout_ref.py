@@ -53,11 +53,13 @@ def actor_loss_config(actor: ActorConfig) -> ActorLossConfig:
     )
 
 
-def make_actor_loss_fn(config: ActorLossConfig) -> Any:
+def make_actor_loss_fn(config: ActorLossConfig, on_policy: bool = False) -> Any:
+    """The actor's loss; `on_policy`: π_old is the forward's own log-probs (the weights it runs on are π_old's)."""
+
     def loss_fn(outputs: Any, mb: Any, normalizer: Any) -> Any:
         return actor_loss(
             outputs["log_probs"],
-            mb["old_log_probs"],
+            outputs["log_probs"].detach() if on_policy else mb["old_log_probs"],
             mb["advantages"],
             mb["response_mask"],
             normalizer,
@@ -79,6 +81,7 @@ class ActorRolloutRefWorker(StoreClient, Worker):
         self.ref: TrainingWorker | None = None
         self.rollout: Any = None
         self.loss_fn = make_actor_loss_fn(actor_loss_config(config.actor))
+        self.on_policy_loss_fn = make_actor_loss_fn(actor_loss_config(config.actor), on_policy=True)
 
     def _engine(self, trainable: bool) -> Any:
         from mrl.engine.megatron.engine import MegatronEngine
@@ -119,11 +122,25 @@ class ActorRolloutRefWorker(StoreClient, Worker):
         """The rollout manager (LLMServerManager) that `update_weights` pushes to."""
         self.rollout = rollout
 
+    def on_policy_rows(self, rows: int, num_updates: int) -> int:
+        """How many leading rows of this rank's share train on-policy in `update_actor`: the first mini-batch's
+        update runs on the weights π_old is computed with, so its forward's log-probs are π_old and the old
+        log-prob pass skips those rows (1/num_updates of it). Only with one pass over the data (ppo_epochs 1), when
+        nothing reads π_old before the update (KL in reward does) and with more than one update, so the mismatch
+        metrics keep rows to measure."""
+        c = self.config
+        if (not c.actor.on_policy_first_update or not c.rollout.recompute_old_log_prob or c.actor.ppo_epochs != 1
+                or num_updates < 2 or c.algorithm.use_kl_in_reward):
+            return 0
+        return rows // num_updates
+
     @register(nd_compute(ACTOR_MESH), pad=True)
     @tracks_memory("old_log_prob")
-    def compute_log_prob(self, batch: Batch) -> dict[str, float]:
+    def compute_log_prob(self, batch: Batch, num_updates: int = 1) -> dict[str, float]:
         """`old_log_probs` of every token under the current actor, into the store; returns this rank's
-        rollout-vs-trainer mismatch (`rank_mismatch`)."""
+        rollout-vs-trainer mismatch (`rank_mismatch`). Given the step's `num_updates`, rows that `update_actor`
+        trains on-policy are skipped (`on_policy_rows`)."""
+        batch = batch[self.on_policy_rows(len(batch), num_updates):]
         fetched = self.fetch(batch, ["input_ids", "response_mask", "rollout_log_probs"])
         fetched["old_log_probs"] = self._infer(self.actor, fetched)
         self.write(ACTOR_MESH, batch, {"old_log_probs": fetched.jagged_field("old_log_probs")})
@@ -161,21 +178,28 @@ class ActorRolloutRefWorker(StoreClient, Worker):
     @register(nd_compute(ACTOR_MESH))
     @tracks_memory("update_actor")
     def update_actor(self, batch: Batch, num_updates: int) -> dict[str, Any]:
-        """`num_updates` optimizer updates over this DP rank's share (× ppo_epochs); their metrics and count.
-        Outcome estimators send one `advantage` per sample, spread here over model tokens; token-level ones left
-        `advantages` in the store."""
+        """`num_updates` optimizer updates over this DP rank's share (× ppo_epochs); their metrics and count. The
+        first mini-batch may train on-policy (`on_policy_rows`): π_old from its own forward."""
         assert self.actor is not None, "init_model first"
-        keys = ["input_ids", "response_mask", "old_log_probs"]
+        before = self.actor.updates
+        on_policy = self.on_policy_rows(len(batch), num_updates)
+        steps = []
+        if on_policy:
+            steps += self.actor.train_batch(self._update_inputs(batch[:on_policy], False), self.on_policy_loss_fn, 1)
+            batch, num_updates = batch[on_policy:], num_updates - 1
+        steps += self.actor.train_batch(self._update_inputs(batch, True), self.loss_fn, num_updates,
+                                        epochs=self.config.actor.ppo_epochs)
+        return {"updates": self.actor.updates - before, "steps": steps}
+
+    def _update_inputs(self, batch: Batch, with_old: bool) -> Any:
+        """The engine batch of an update, fetched by key. Outcome estimators send one `advantage` per sample,
+        spread here over model tokens; token-level ones left `advantages` in the store."""
+        keys = ["input_ids", "response_mask"] + (["old_log_probs"] if with_old else [])
         keys += ["ref_log_prob"] if self.config.actor.use_kl_loss else []
         batch = self.fetch(batch, keys + ([] if "advantage" in batch else ["advantages"]))
         if "advantage" in batch:
             batch["advantages"] = token_advantages(batch)
-        keys.append("advantages")
-        before = self.actor.updates
-        steps = self.actor.train_batch(
-            to_engine_batch(batch, keys), self.loss_fn, num_updates, epochs=self.config.actor.ppo_epochs
-        )
-        return {"updates": self.actor.updates - before, "steps": steps}
+        return to_engine_batch(batch, [*keys, "advantages"])
 
     @register(Dispatch.ONE_TO_ALL)
     @tracks_memory("update_weights")

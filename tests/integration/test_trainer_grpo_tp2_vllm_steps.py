@@ -130,11 +130,14 @@ def test_driver_moves_keys_and_scalars_and_the_store_empties_after_each_step(tra
     _, _, trajectories, batch = two_steps
     assert_no_token_data(trajectories)
     assert batch.jagged == {} and set(batch.keys()) <= {"key", "uid", "score", "length", "is_noop", "advantage"}
-    # the actor's workers wrote old log-probs under each key (step 0: equal to the rollout's on model tokens)
-    tensors = trainer.step_tensors[0]
-    mask = tensors.jagged_field("response_mask").values.bool()
-    old, rollout = tensors.jagged_field("old_log_probs").values, tensors.jagged_field("rollout_log_probs").values
-    assert mask.any() and torch.allclose(old[mask], rollout[mask], atol=1e-4)
+    # the actor's workers wrote old log-probs under the keys of the second update's rows (step 0: equal to the
+    # rollout's on model tokens); the first update trained on-policy, π_old from its own forward
+    payloads = trainer.step_payloads[0]
+    with_old = [p for p in payloads.values() if "old_log_probs" in p]
+    assert len(with_old) == len(payloads) - len(payloads) // (B // M)
+    for p in with_old:
+        mask = p["response_mask"].bool()
+        assert mask.any() and torch.allclose(p["old_log_probs"][mask], p["rollout_log_probs"][mask], atol=1e-4)
     assert trainer.store_sizes == [{"values": 0, "tags": 0}] * 2
 
 

@@ -71,10 +71,13 @@ def assert_no_token_data(records: list[dict[str, Any]]) -> None:
 
 
 class KeepsStepTensors:
-    """Trainer mixin: just before a step's samples leave the store, fetch every field the agent loop and the workers
-    left there (tests only; the driver itself never does) into `self.step_tensors`, one Batch per step."""
+    """Trainer mixin: just before a step's samples leave the store, fetch the fields the agent loop and the workers
+    left under every row into `self.step_tensors` (one Batch per step) and each key's whole value into
+    `self.step_payloads` (tests only; the driver itself never does)."""
 
     def release_samples(self, batch: Batch) -> None:
-        fields = list(self.store.get([batch["key"][0]])[0])
+        values = self.store.get(list(batch["key"]))
+        fields = sorted(set.intersection(*(set(v) for v in values)))  # what every row has
         self.step_tensors = [*getattr(self, "step_tensors", []), fetch(self.store, batch, fields)]
+        self.step_payloads = [*getattr(self, "step_payloads", []), dict(zip(batch["key"], values))]
         super().release_samples(batch)
