@@ -6,33 +6,36 @@ rest of its generate-and-score, `train` = the optimizer steps' forward/backward)
 One step = generate B·n completions, score them, B/M optimizer updates (TRL: steps_per_generation = B/M,
 per_device_train_batch_size = M·n completions; its step time is the time of B/M optimizer steps). The first step
 of each side is dropped (start-up, caches). The model is a random-weight Qwen2 (no warm-up: the task accuracy is
-irrelevant to throughput), fp32 on both sides.
+irrelevant to throughput), in the same precision on both sides (below).
 
-Same algorithmic work on both sides: B/M = 2 updates share one generation, so both recompute old log-probs with
-the trainer's model (TRL does whenever gradient_accumulation_steps is not a multiple of steps_per_generation;
-mrl's rollout.recompute_old_log_prob stays true, although vLLM returns the same log-probs: `--mrl-set
-rollout.recompute_old_log_prob=false` measures that bypass separately); neither computes reference log-probs (TRL
-beta=0, mrl no KL loss or KL reward). Threads: TRL gets two; mrl's Megatron worker uses both cores while the
-hybrid rollout waits (mrl/workers/cpu_threads.py) and vLLM-CPU keeps its default of one compute thread plus its
-busy-polling engine-core process (binding two compute threads, VLLM_CPU_OMP_THREADS_BIND=0-1, made generation
-> 2.5x slower here: 16,384 tokens in > 65 s vs 26 s).
+Same algorithmic work on both sides: B/M = 2 updates share one generation, so both need π_old before the first
+update; TRL recomputes it for every completion (whenever gradient_accumulation_steps is not a multiple of
+steps_per_generation), mrl for the second update's rows only (the first update trains on the weights π_old is
+computed with and takes it from its own forward: actor.on_policy_first_update; `--mrl-set
+rollout.recompute_old_log_prob=false` would take it from vLLM instead, less work). Neither computes reference
+log-probs (TRL beta=0, mrl no KL loss or KL reward), neither recomputes activations (TRL's default
+gradient_checkpointing=True is turned off; `--trl-set gradient_checkpointing=true` measures it). Precision
+(--dtype): bf16 on both sides by default, TRL's own default (autocast over fp32 weights); mrl runs bf16 Megatron
+parameters with fp32 main weights and a bf16 vLLM engine. This CPU (avx512_bf16) runs bf16 GEMMs 2.2-2.4x faster
+than fp32. Threads: TRL gets two; mrl's worker and its hybrid vLLM engine take turns on both cores
+(mrl/workers/cpu_threads.py; the engine runs vLLM's in-process executor, rollout_adapters/vllm/adapter.py).
 
-Measured 2026-11-30 on the shared 2-core CI host (AMD EPYC, other helpers' tests running: load 2-16), one run
-each, median over steps 2-6:
+Measured 2026-11-30 on the 2-core development host (AMD EPYC, a VM; nothing else running), one run per line, medians
+of steps 2-6 (step-to-step spread about 10%):
 
-    size | TRL s/step | mrl s/step | mrl/TRL | TRL gen / old_lp+adv / train | mrl gen / old_lp / update / sync
-    tiny |   0.315    |   0.827    |  0.38x  | 0.07 / 0.05 / 0.19           | 0.27 / 0.12 / 0.40 / 0.06
-    50m  |  83.3      |  77.3      |  1.08x  | 21.1 / 12.2 / 50.0           | 23.3 / 12.8 / 40.8 / 0.4
-    50m, mrl with --mrl-set rollout.recompute_old_log_prob=false (bypass; a separate mrl-only run 40 min later):
-         64.8 s/step (gen 23.1, update 41.2, sync 0.4), i.e. 1.29x against the TRL median above (less work than TRL)
-    before (worker on one thread, per-document RoPE): tiny 0.978 s/step, 0.33x (same host, run the same evening);
-    50m not re-run whole: an A/B of the engine alone (64 x 140 tokens) gave update 33-37 -> 19.5 s and log-prob
-    10.4-11.2 -> 6.6 s with two threads, which puts the old step at ~118 s, ~0.7x (earlier report: 0.77x)
+    size, bf16 | TRL s/step (gen / old_lp+adv / train) | mrl s/step (gen / old_lp / update / sync) | mrl/TRL
+    50m        | 49.7 (21.5 / 6.7 / 21.9)              | 35.3 (8.8 / 3.3 / 22.7 / 0.2)             | 1.41x
+    50m, TRL with its default gradient checkpointing: 55.9 s/step (22.0 / 6.5 / 26.8)       -> 1.58x
+    tiny       | 0.302 (0.075 / 0.039 / 0.185)         | 0.693 (0.288 / 0.052 / 0.277 / 0.064)     | 0.44x
 
-At 50m the update (forward + backward + Adam over the same tokens on both sides) is ~50% of TRL's step and the
-same FLOPs for mrl, so on two cores 2x is out of reach: even free generation and free old log-probs would only
-reach 83 / 41 = 2.0x. The issue's 2x assumes generation dominates; here it does not, and vLLM-CPU
-with one thread decodes no faster than HF generate with two (on GPUs it may differ: not measured).
+The same day, before the CPU changes that produced these numbers: 1.05x at 50m bf16 (mrl 48.3 s: gen 13.5 /
+old_lp 7.2 / update 26.9); fp32 with TRL's gradient checkpointing on, 1.08x. Why not 2x at 50m: the update is the
+same forward, backward and Adam over about the same tokens on both sides (mrl packs, TRL pads: 17k vs 20k tokens)
+and costs mrl as much per token as HF eager (1.3 vs 1.1 ms: the GEMMs run at the CPU's bf16 peak, ~390 GFLOP/s;
+the rest is the flash-attention backward of short documents and elementwise ops). Its GEMM floor alone is ~13 s;
+with vLLM generation at 9 s (a profile: 62% of it in GEMMs) the step cannot drop much below ~27 s, i.e. ~1.85x
+against TRL's 49.7 s. Generation does not dominate at 128 tokens on a CPU; on GPUs it does (HF generate is
+latency-bound there), which this host cannot measure (no vLLM on the GPU machine).
 
     PYTHONPATH=/path/to/trl python tools/bench/e2e_vs_trl.py --size tiny
     PYTHONPATH=/path/to/trl python tools/bench/e2e_vs_trl.py --size 50m --completion-length 128
