@@ -1,5 +1,6 @@
 """On a CPU host the trainer's workers use all of a slot's cores when a hybrid rollout leaves them the slot during
-training, one thread when an engine generates beside them, and whatever resources.cpu_threads_per_slot says."""
+training, one thread when an engine generates beside them, and whatever resources.cpu_threads_per_slot says; the
+slot's rollout server gets the same count."""
 
 import pytest
 
@@ -37,3 +38,16 @@ def test_the_setting_wins_on_cpu_and_gpu_hosts_keep_one_thread(eight_cores):
     assert worker_threads(config("resources.cpu_threads_per_slot=3"), use_gpu=False) == 3
     assert worker_threads(config("resources.cpu_threads_per_slot=3"), use_gpu=True) == 1
     assert worker_threads(config(), use_gpu=True) == 1
+
+
+def test_the_rollout_server_gets_the_same_threads_on_cpu_hosts_only(eight_cores):
+    """The hybrid engine computes while the workers wait (vLLM's in-process executor on CPU uses the server
+    process's OMP_NUM_THREADS, which Ray would otherwise set to 1)."""
+    from mrl.trainer.build import rollout_spec
+
+    assert cpu_threads.engine_env(config(), use_gpu=False) == {"OMP_NUM_THREADS": "8"}
+    assert cpu_threads.engine_env(config("resources.n_gpus_per_node=2", "resources.max_colocate_count=2"),
+                                  use_gpu=False) == {"OMP_NUM_THREADS": "4"}
+    assert cpu_threads.engine_env(config(), use_gpu=True) == {}
+    spec = rollout_spec(config())
+    assert spec.server_env()["OMP_NUM_THREADS"] == cpu_threads.engine_env(config(), use_gpu=False)["OMP_NUM_THREADS"]
