@@ -80,8 +80,9 @@ class ActorRolloutRefWorker(StoreClient, Worker):
         self.actor: TrainingWorker | None = None
         self.ref: TrainingWorker | None = None
         self.rollout: Any = None
-        self.loss_fn = make_actor_loss_fn(actor_loss_config(config.actor))
-        self.on_policy_loss_fn = make_actor_loss_fn(actor_loss_config(config.actor), on_policy=True)
+        loss_config = actor_loss_config(config.actor)
+        self.loss_fn = make_actor_loss_fn(loss_config)
+        self.on_policy_loss_fn = make_actor_loss_fn(loss_config, on_policy=True)
 
     def _engine(self, trainable: bool) -> Any:
         from mrl.engine.megatron.engine import MegatronEngine
@@ -185,9 +186,10 @@ class ActorRolloutRefWorker(StoreClient, Worker):
         on_policy = self.on_policy_rows(len(batch), num_updates)
         steps = []
         if on_policy:
-            steps += self.actor.train_batch(self._update_inputs(batch[:on_policy], False), self.on_policy_loss_fn, 1)
+            first = self._update_inputs(batch[:on_policy], with_old=False)
+            steps += self.actor.train_batch(first, self.on_policy_loss_fn, 1)
             batch, num_updates = batch[on_policy:], num_updates - 1
-        steps += self.actor.train_batch(self._update_inputs(batch, True), self.loss_fn, num_updates,
+        steps += self.actor.train_batch(self._update_inputs(batch, with_old=True), self.loss_fn, num_updates,
                                         epochs=self.config.actor.ppo_epochs)
         return {"updates": self.actor.updates - before, "steps": steps}
 
