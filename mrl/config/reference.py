@@ -68,8 +68,9 @@ def render_reference() -> str:
                 "| --- | --- | --- |"]
         for f in rows:
             type_name = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-            default = repr(_default(f)).replace("|", "\\|")
-            meaning = docs.get(f.name, "").replace("|", "\\|")
+            # A bare "|" splits a table cell, in code spans too (`int | None`, `'a|b'`).
+            type_name, default, meaning = (text.replace("|", "\\|") for text in
+                                           (type_name, repr(_default(f)), docs.get(f.name, "")))
             out.append(f"| `{path}{f.name}` ({type_name}) | `{default}` | {meaning} |")
         out.append("")
     return "\n".join(out)

@@ -216,8 +216,10 @@ class RolloutConfig:
     n_gpus_per_node: int = 0
     # Compute old log-probs with the trainer (False reuses the rollout engine's log-probs: "bypass").
     recompute_old_log_prob: bool = True
-    # Run the inference engine without CUDA graphs.
-    enforce_eager: bool = True
+    # Run the inference engine eagerly: no CUDA graphs (vLLM, SGLang, TensorRT-LLM) and no torch.compile (vLLM).
+    # None: the engine's device default, graphs on GPU and eager on CPU, where vLLM's compile costs ~35 s per
+    # engine start (cached across starts) for ~12% faster decoding of a 50M model.
+    enforce_eager: bool | None = None
     # Hybrid replicas sleep during training (weights and KV cache released, both restored by the weight sync);
     # False keeps the engine resident on the devices and updates its weights in place.
     free_cache_engine: bool = True

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -24,7 +25,7 @@ from mrl.rollout.pd import (
     vllm_kv_transfer_config,
     vllm_member_env,
 )
-from mrl.rollout.replica import ReplicaSpec
+from mrl.rollout.replica import Footprint, ReplicaSpec
 from mrl.rollout.server import RolloutServer, restore_niceness
 from rollout_adapters.base import StopReason
 from rollout_adapters.network import require_loopback
@@ -87,8 +88,6 @@ class PDMemberServer(RolloutServer):
 
 def member_spec(spec: ReplicaSpec, pd: PDSpec, role: str, index: int, base_port: int, on_gpu: bool) -> ReplicaSpec:
     """The ReplicaSpec of one member: its TP, and the backend's disaggregation settings for its role."""
-    from mrl.rollout.replica import Footprint
-
     tp = pd.prefill_tp if role == "prefill" else pd.decode_tp
     engine_kwargs = dict(spec.engine_kwargs)
     env = dict(spec.env)
@@ -97,9 +96,8 @@ def member_spec(spec: ReplicaSpec, pd: PDSpec, role: str, index: int, base_port:
         env.update(vllm_member_env(pd, index, base_port))
     else:
         engine_kwargs["extra_args"] = [*engine_kwargs.get("extra_args", ()), *sglang_member_args(pd, role, base_port)]
-    return ReplicaSpec(backend=spec.backend, model_path=spec.model_path, footprint=Footprint(tp=tp),
-                       max_model_len=spec.max_model_len, dtype=spec.dtype, seed=spec.seed,
-                       engine_kwargs=engine_kwargs, env=env)
+    # Everything else (address, eager mode, precision, seed) is the replica's own.
+    return replace(spec, footprint=Footprint(tp=tp), engine_kwargs=engine_kwargs, env=env)
 
 
 class PDReplica:

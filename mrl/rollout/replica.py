@@ -75,6 +75,8 @@ class ReplicaSpec:
     dtype: str = "float32"
     seed: int = 0
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    # No CUDA graphs / compilation (rollout.enforce_eager); None leaves the backend's device default.
+    enforce_eager: bool | None = None
     # Extra environment of the server process. Ray sets OMP_NUM_THREADS to the actor's CPU share (1 here), which
     # caps a CPU engine's compute threads; set it to the device slot's cores where the engine should use them.
     env: dict[str, str] = field(default_factory=dict)
@@ -100,6 +102,7 @@ class ReplicaSpec:
             "tensor_parallel_size": self.footprint.tp,
             "pipeline_parallel_size": self.footprint.pp,
             "engine_kwargs": engine_kwargs,
+            "enforce_eager": self.enforce_eager,
             "host": self.host,
             "allow_remote_access": self.allow_remote_access,
         }

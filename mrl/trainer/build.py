@@ -46,6 +46,7 @@ def rollout_spec(c: MrlConfig) -> ReplicaSpec:
         dtype=c.actor.megatron.params_dtype,
         seed=c.trainer.seed,
         engine_kwargs=engine_kwargs,
+        enforce_eager=r.enforce_eager,
         env=engine_env(c, torch.cuda.is_available()),
         host=r.server_host,
         allow_remote_access=r.allow_remote_access,

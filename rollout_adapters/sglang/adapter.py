@@ -58,6 +58,7 @@ class SGLangAdapter(RolloutAdapter):
         start_timeout_s: float = 900.0,
         host: str = LOOPBACK,
         allow_remote_access: bool = False,
+        enforce_eager: bool | None = None,
         **unused: Any,
     ) -> None:
         if pipeline_parallel_size != 1:
@@ -84,6 +85,7 @@ class SGLangAdapter(RolloutAdapter):
             seed=seed,
             mem_fraction_static=extra.pop("mem_fraction_static", None),
             weights_cpu_backup=weights_cpu_backup,
+            disable_cuda_graph=bool(enforce_eager),
         )
         extra.pop("distributed_executor_backend", None)  # a vLLM knob the replica spec adds for multi-device engines
         if extra:

@@ -242,6 +242,7 @@ def server_command(
     seed: int = 0,
     mem_fraction_static: float | None = None,
     weights_cpu_backup: bool = False,
+    disable_cuda_graph: bool = False,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
     """argv of `python -m sglang.launch_server` for one replica.
@@ -268,4 +269,6 @@ def server_command(
         argv += ["--mem-fraction-static", str(mem_fraction_static)]
     if weights_cpu_backup:
         argv.append("--enable-weights-cpu-backup")
+    if disable_cuda_graph:
+        argv.append("--disable-cuda-graph")
     return argv + list(extra_args)

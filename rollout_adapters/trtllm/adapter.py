@@ -39,11 +39,14 @@ class TRTLLMAdapter(RolloutAdapter):
         pipeline_parallel_size: int = 1,
         seed: int = 0,
         engine_kwargs: dict[str, Any] | None = None,
+        enforce_eager: bool | None = None,
         **unused: Any,
     ) -> None:
         super().__init__(max_model_len)
         extra = dict(engine_kwargs or {})
         extra.pop("distributed_executor_backend", None)  # vLLM's knob; TensorRT-LLM's AsyncLLM always uses Ray
+        if enforce_eager:
+            extra.setdefault("cuda_graph_config", None)  # TorchLlmArgs: None turns decode CUDA graphs off
         self.llm_kwargs = dict(
             model=model_path,
             backend="pytorch",

@@ -58,6 +58,7 @@ class VLLMAdapter(RolloutAdapter):
         seed: int = 0,
         enable_sleep_mode: bool | None = None,
         engine_kwargs: dict[str, Any] | None = None,
+        enforce_eager: bool | None = None,
         **unused: Any,
     ) -> None:
         super().__init__(max_model_len)
@@ -75,6 +76,10 @@ class VLLMAdapter(RolloutAdapter):
             # threads (OMP_NUM_THREADS of the server, see mrl/workers/cpu_threads.py). Measured, 50M bf16 model,
             # 128 x 128 tokens on 2 cores: 15.1 s -> 9.5 s. PD members keep vLLM's default (NIXL's core reserve).
             engine_kwargs.setdefault("distributed_executor_backend", UNIPROC_EXECUTOR)
+        # Default: CUDA graphs on GPUs; eager on CPU, where compiling costs more per start than it saves in a test.
+        if enforce_eager is None:
+            enforce_eager = not torch.cuda.is_available()
+        engine_kwargs.setdefault("enforce_eager", enforce_eager)
         self.engine_args = dict(
             model=model_path,
             dtype=dtype,
@@ -82,7 +87,6 @@ class VLLMAdapter(RolloutAdapter):
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
             seed=seed,
-            enforce_eager=not torch.cuda.is_available(),
             enable_prefix_caching=True,
             enable_sleep_mode=self.sleep_mode,
             worker_extension_cls=WORKER_EXTENSION,

@@ -63,14 +63,18 @@ def test_vllm_cpu_builds_the_kv_transfer_config_of_each_member():
 
 
 def test_member_specs_carry_role_settings_and_distinct_ports():
-    base = ReplicaSpec(backend="vllm", model_path="/m", engine_kwargs={"enforce_eager": True}, env={"A": "1"})
+    base = ReplicaSpec(backend="vllm", model_path="/m", engine_kwargs={"max_num_seqs": 8}, env={"A": "1"},
+                       dtype="bfloat16", seed=7, enforce_eager=False, host="10.0.0.5", allow_remote_access=True)
     pd = PDSpec(prefill_tp=2, decode_tp=1, n_decode=2, transfer_backend="nixl")
     specs = [member_spec(base, pd, role, i, 5600, on_gpu=False) for i, (role, _, _) in enumerate(pd.member_slots())]
     assert [s.footprint.tp for s in specs] == [2, 1, 1]
     ports = [s.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] for s in specs]
     assert len(set(ports)) == 3 and all(s.env["A"] == "1" for s in specs)
     assert all(s.engine_kwargs["kv_transfer_config"]["kv_buffer_device"] == "cpu" for s in specs)
-    assert all(s.engine_kwargs["enforce_eager"] for s in specs) and "kv_transfer_config" not in base.engine_kwargs
+    assert all(s.engine_kwargs["max_num_seqs"] == 8 for s in specs) and "kv_transfer_config" not in base.engine_kwargs
+    # The member is the replica's engine in a role: its address, precision, seed and eager mode are the replica's.
+    assert {(s.host, s.allow_remote_access, s.dtype, s.seed, s.enforce_eager) for s in specs} == {
+        ("10.0.0.5", True, "bfloat16", 7, False)}
     assert vllm_member_env(PDSpec(transfer_backend="mooncake"), 1, 8998) == {"VLLM_MOONCAKE_BOOTSTRAP_PORT": "8999"}
 
     sgl = ReplicaSpec(backend="sglang", model_path="/m")

@@ -91,9 +91,10 @@ def run_mrl(model: str, data: Path, args: argparse.Namespace) -> list[dict[str, 
     ])
     trainer = build_trainer(cfg)
     try:
-        # Per step: the whole step and each stage (timing_s/gen, old_log_prob, update_actor, update_weights, ...).
-        return [{k.removeprefix("timing_s/"): v for k, v in m.items() if k.startswith("timing_s/")}
-                for m in trainer.fit()]
+        # Per step: the whole step and each stage (timing_s/gen, old_log_prob, update_actor, update_weights, ...),
+        # and how far the rollout's log-probs are from the trainer's (1.0: equal; a stale engine would show).
+        return [{**{k.removeprefix("timing_s/"): v for k, v in m.items() if k.startswith("timing_s/")},
+                 "logprob_mismatch": m.get("rollout/logprob_mismatch", float("nan"))} for m in trainer.fit()]
     finally:
         shutdown(trainer)
 
