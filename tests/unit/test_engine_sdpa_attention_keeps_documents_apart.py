@@ -98,3 +98,61 @@ def test_unpacked_batch_matches_reference(attention):
     assert out.shape == (s, b, HEADS * DIM)
     for i in range(b):
         torch.testing.assert_close(out[:, i], reference(q[:, i], k[:, i], v[:, i]), atol=1e-5, rtol=1e-5)
+
+
+def packed_bf16_grads(attention, lengths, seed):
+    """Output and q/k/v gradients of a bf16 packed row, and the same inputs in fp64 (for the reference)."""
+    torch.manual_seed(seed)
+    t = sum(lengths)
+    inputs = [torch.randn(t, h, DIM, dtype=torch.float64) for h in (HEADS, GROUPS, GROUPS)]
+    weights = torch.randn(t, HEADS * DIM, dtype=torch.float64)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
+                             max_seqlen_kv=max(lengths))
+    q, k, v = (x.to(torch.bfloat16).requires_grad_() for x in inputs)
+    out = attention(q, k, v, None, packed_seq_params=params)
+    (out.double() * weights).sum().backward()
+    return (out.detach(), q.grad, k.grad, v.grad), inputs, weights, cu.tolist()
+
+
+def per_document_sdpa(q, k, v, bounds):
+    """Each document alone through torch's SDPA (what the module ran before the fp32 backward, in bf16)."""
+    out = []
+    for a, b in itertools.pairwise(bounds):
+        x = [t[a:b].transpose(0, 1)[None] for t in (q, k, v)]
+        o = torch.nn.functional.scaled_dot_product_attention(*x, is_causal=True, enable_gqa=True)
+        out.append(o[0].transpose(0, 1).reshape(b - a, -1))
+    return torch.cat(out)
+
+
+def test_bf16_short_documents_take_an_fp32_backward_closer_to_exact(attention):
+    """CPU bf16: the forward is SDPA's bit for bit; the gradients (fp32 backward from the forward's log-sum-exp)
+    are within bf16 rounding of the fp64 reference and no further from it than SDPA's own bf16 backward."""
+    lengths = [17, 1, 40, 9]
+    got, inputs, weights, bounds = packed_bf16_grads(attention, lengths, seed=3)
+
+    exact = [x.clone().requires_grad_() for x in inputs]
+    ref = torch.cat([reference(*(x[a:b] for x in exact)) for a, b in itertools.pairwise(bounds)])
+    (ref * weights).sum().backward()
+    sdpa = [x.to(torch.bfloat16).requires_grad_() for x in inputs]
+    sdpa_out = per_document_sdpa(*sdpa, bounds)
+    (sdpa_out.double() * weights).sum().backward()
+
+    assert torch.equal(got[0], sdpa_out.detach())
+    for mine, theirs, exact_grad in zip(got[1:], (x.grad for x in sdpa), (x.grad for x in exact)):
+        err, sdpa_err = ((g.double() - exact_grad).abs().max() for g in (mine, theirs))
+        assert err <= 2e-2 * exact_grad.abs().max()
+        assert err <= sdpa_err and not torch.equal(mine, theirs)  # and it is not SDPA's bf16 backward
+
+
+def test_bf16_documents_from_the_length_threshold_keep_the_sdpa_backward(attention, monkeypatch):
+    from mrl.engine.megatron import attention as module
+
+    monkeypatch.setattr(module, "CPU_FP32_BACKWARD_BELOW", 10)
+    lengths = [6, 12]  # the first below the threshold, the second at or above it
+    got, inputs, weights, bounds = packed_bf16_grads(attention, lengths, seed=4)
+    sdpa = [x.to(torch.bfloat16).requires_grad_() for x in inputs]
+    (per_document_sdpa(*sdpa, bounds).double() * weights).sum().backward()
+    for mine, theirs in zip(got[1:], (x.grad for x in sdpa)):
+        assert torch.equal(mine[6:], theirs[6:])  # the long document: SDPA's bf16 backward, bit for bit
+        assert not torch.equal(mine[:6], theirs[:6])  # the short one: the fp32 backward

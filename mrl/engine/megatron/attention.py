@@ -11,7 +11,9 @@ segments and never see each other, and no T×T mask is ever built:
 - CUDA, fp16/bf16: one call of PyTorch's variable-length flash-attention kernel over the whole packed row
   (`aten._flash_attention_forward/backward` with `cu_seqlens`, as `torch.nn.attention.varlen` uses them), which
   takes grouped K/V natively and needs no host synchronisation;
-- otherwise (CPU, fp32): one causal SDPA call per document, exact against the reference attention.
+- otherwise (CPU, fp32): one causal SDPA call per document, exact against the reference attention. On CPU in
+  bf16/fp16 a document shorter than `CPU_FP32_BACKWARD_BELOW` runs the same flash forward but its backward in fp32
+  from the forward's log-sum-exp (`_CpuFlashFp32Backward`): faster there, and closer to exact.
 GQA never repeats K/V in memory (`enable_gqa=True` for SDPA). Under tensor parallelism Megatron hands this module
 the local heads (heads/TP, groups/TP) already, so nothing here depends on the TP size beyond the head counts.
 """
@@ -34,6 +36,9 @@ from torch import Tensor
 # (tools/bench/engine.py switches each off to measure it).
 FLASH_VARLEN = True
 COMPILE_NORM = True
+# PyTorch's CPU flash backward is slower in bf16 than in fp32 for short documents (2 cores, 8 heads of 64: 64
+# tokens 2.9x, 128: 2.2x, 256: 1.2x; even near 400, faster in bf16 beyond 512), so shorter ones run it in fp32.
+CPU_FP32_BACKWARD_BELOW = 384
 
 
 class _FlashVarlen(torch.autograd.Function):
@@ -69,6 +74,28 @@ class _FlashVarlen(torch.autograd.Function):
             scale=ctx.scale,
         )
         return dq, dk, dv, None, None, None, None
+
+
+class _CpuFlashFp32Backward(torch.autograd.Function):
+    """Attention of a [b, heads, s, d] batch on CPU: PyTorch's flash forward in the input's precision (what SDPA
+    runs, bit for bit), and its flash backward on fp32 copies with the forward's log-sum-exp and output. Against
+    an fp64 reference the bf16 gradients of K and V come out about twice as close as the bf16 backward's."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> Tensor:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.causal = scale, causal
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            *(x.float() for x in (grad, q, k, v, out)), lse, 0.0, ctx.causal, scale=ctx.scale
+        )
+        return *(g.to(x.dtype) for g, x in zip(grads, (q, k, v))), None, None
 
 
 @functools.cache
@@ -122,7 +149,7 @@ class SdpaAttention(MegatronModule):
             k,
             v,
             attn_mask=mask,
-            dropout_p=self.dropout if self.training else 0.0,
+            dropout_p=self.training_dropout,
             is_causal=causal,
             scale=self.scale,
             enable_gqa=self.groups != self.heads,
@@ -160,16 +187,23 @@ class SdpaAttention(MegatronModule):
         out = self._sdpa(q, k, v, mask, causal)
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], self.hidden_per_partition)
 
+    @property
+    def training_dropout(self) -> float:
+        return self.dropout if self.training else 0.0
+
     def _use_flash_varlen(self, query: Tensor) -> bool:
-        dropout = self.dropout if self.training else 0.0
         half = query.dtype in (torch.float16, torch.bfloat16)
-        return FLASH_VARLEN and query.is_cuda and half and dropout == 0.0 and _flash_supports(query.shape[-1])
+        usable = FLASH_VARLEN and query.is_cuda and half and not self.training_dropout
+        return usable and _flash_supports(query.shape[-1])
 
     def _forward_thd(self, query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, causal: bool) -> Tensor:
         # Split and concatenate (one autograd node each) rather than slicing per document and writing into an
         # output buffer: each slice's backward allocated and accumulated a full-size gradient (3.3x slower
         # backward at 64 documents on CPU), with bit-identical results.
         lengths = torch.diff(cu_seqlens).tolist()
+        fp32_backward_below = 0
+        if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16) and not self.training_dropout:
+            fp32_backward_below = CPU_FP32_BACKWARD_BELOW
         out = []
         for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths)):
             if q.shape[0] == 0:
@@ -177,7 +211,11 @@ class SdpaAttention(MegatronModule):
                 continue
             # [len, h, d] → [1, h, len, d]: one document as a batch of one (4-D inputs reach the flash kernels)
             q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-            out.append(self._sdpa(q, k, v, None, causal)[0].transpose(0, 1).reshape(q.shape[2], -1))
+            if q.shape[2] < fp32_backward_below:
+                o = _CpuFlashFp32Backward.apply(q, k, v, self.scale, causal)
+            else:
+                o = self._sdpa(q, k, v, None, causal)
+            out.append(o[0].transpose(0, 1).reshape(q.shape[2], -1))
         return torch.cat(out)
 
 
