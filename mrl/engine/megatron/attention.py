@@ -37,7 +37,7 @@ from torch import Tensor
 FLASH_VARLEN = True
 COMPILE_NORM = True
 # PyTorch's CPU flash backward is slower in bf16 than in fp32 for short documents (2 cores, 8 heads of 64: 64
-# tokens 2.9x, 128: 2.2x, 256: 1.2x; even near 400, faster in bf16 beyond 512), so shorter ones run it in fp32.
+# tokens 2.9x, 128: 2.2x, 256: 1.2x, 384: 1.05x; from 512 on bf16 is faster), so shorter ones run it in fp32.
 CPU_FP32_BACKWARD_BELOW = 384
 
 
