@@ -20,15 +20,20 @@ parameters with fp32 main weights and a bf16 vLLM engine. This CPU (avx512_bf16)
 than fp32. Threads: TRL gets two; mrl's worker and its hybrid vLLM engine take turns on both cores
 (mrl/workers/cpu_threads.py; the engine runs vLLM's in-process executor, rollout_adapters/vllm/adapter.py).
 
-Measured 2026-11-30 on the 2-core development host (AMD EPYC, a VM; nothing else running), one run per line, medians
-of steps 2-6 (step-to-step spread about 10%):
+Measured on the 2-core development host (AMD EPYC, a VM; nothing else running), one run per line, medians of
+steps 2-6. The host is noisy: steps within a run spread by about 10%, and mrl-only runs of the same code an hour
+apart gave 34.1, 34.8 and 36.4 s/step:
 
-    size, bf16 | TRL s/step (gen / old_lp+adv / train) | mrl s/step (gen / old_lp / update / sync) | mrl/TRL
-    50m        | 49.7 (21.5 / 6.7 / 21.9)              | 35.3 (8.8 / 3.3 / 22.7 / 0.2)             | 1.41x
-    50m, TRL with its default gradient checkpointing: 55.9 s/step (22.0 / 6.5 / 26.8)       -> 1.58x
-    tiny       | 0.302 (0.075 / 0.039 / 0.185)         | 0.693 (0.288 / 0.052 / 0.277 / 0.064)     | 0.44x
+    size, bf16, time (11-30) | TRL s/step (gen / old_lp+adv / train) | mrl (gen / old_lp / update / sync) | mrl/TRL
+    50m, 04:42               | 49.3 (21.5 / 6.5 / 21.4)              | 36.4 (9.0 / 3.5 / 23.6 / 0.3)      | 1.36x
+    50m, 03:00               | 49.7 (21.5 / 6.7 / 21.9)              | 35.3 (8.8 / 3.3 / 22.7 / 0.2)      | 1.41x
+    50m, TRL with its default gradient checkpointing: 55.9 s/step (22.0 / 6.5 / 26.8)           -> 1.58x
+    tiny                     | 0.302 (0.075 / 0.039 / 0.185)         | 0.693 (0.288 / 0.052 / 0.277 / 0.064) | 0.44x
 
-The same day, before the CPU changes that produced these numbers: 1.05x at 50m bf16 (mrl 48.3 s: gen 13.5 /
+`--mrl-set rollout.enforce_eager=false` compiles vLLM's model (inductor; ~35 s once per engine start, cached):
+generation 8.5 -> 7.8 s in back-to-back runs (8.8 s in a later one), `logprob_mismatch` unchanged (1.005).
+
+The same day, before the CPU changes behind these numbers: 1.05x at 50m bf16 (mrl 48.3 s: gen 13.5 /
 old_lp 7.2 / update 26.9); fp32 with TRL's gradient checkpointing on, 1.08x. Why not 2x at 50m: the update is the
 same forward, backward and Adam over about the same tokens on both sides (mrl packs, TRL pads: 17k vs 20k tokens)
 and costs mrl as much per token as HF eager (1.3 vs 1.1 ms: the GEMMs run at the CPU's bf16 peak, ~390 GFLOP/s;
