@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import ray
@@ -34,7 +34,7 @@ from mrl.rollout.client import (
 from mrl.rollout.load_balancer import LoadBalancer
 from mrl.rollout.replica import ReplicaSpec, RolloutMode, RolloutReplica
 from mrl.rollout.server import restore_niceness
-from mrl.weight_sync import make_sender
+from mrl.weight_sync import WeightSender, make_sender
 from mrl.weight_sync.base import TIMEOUT_KNOB
 from rollout_adapters.base import WAKE_ORDER
 from rollout_adapters.buckets import DEFAULT_BUCKET_BYTES, pack_buckets
@@ -80,11 +80,14 @@ class LLMServerManager:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
+        # The last transport sync's sender when it kept its group (weight_sync.keep_group), with what it serves.
+        self._kept_sender: tuple[tuple, WeightSender] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        # Workers receive a copy (set_rollout) to push weights; the monitor and its lock stay on the driver.
+        # Workers receive a copy (set_rollout) to push weights; the monitor and its lock stay on the driver, and a
+        # kept sync group stays with the process that built it.
         state = dict(self.__dict__)
-        state.update(_lock=None, _stop=None, _monitor=None)
+        state.update(_lock=None, _stop=None, _monitor=None, _kept_sender=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -340,7 +343,9 @@ class LLMServerManager:
                              "transports reach TP×PP workers of one engine; use more replicas instead of DP")
         per = fp.tp * fp.pp  # receivers per replica: every worker loads the full stream
         handles = self._call(self.balancer.record_weights.remote(version, None))
-        sender = make_sender(transport, 1 + per * len(handles), bucket_bytes, timeout_s, **sender_kwargs)
+        serves = (transport, tuple(handles), per, bucket_bytes, timeout_s, tuple(sorted(sender_kwargs.items())))
+        sender = self._sync_sender(serves, lambda: make_sender(
+            transport, 1 + per * len(handles), bucket_bytes, timeout_s, **sender_kwargs))
         spec = sender.prepare()
         try:
             refs = {sid: h.receive_weights.remote(spec, 1 + i * per, version)
@@ -349,11 +354,23 @@ class LLMServerManager:
             sender.send_weights(named_tensors)
             wait_within(refs, timeout_s, f"weight sync ({transport}) receive and load on replicas", TIMEOUT_KNOB)
             counts = ray.get(list(refs.values()))
+            sender.finalize()
         except BaseException:
-            sender.finalize(wait=False)
+            self._kept_sender = None
+            sender.finalize(wait=False)  # tears the group down on both sides: the next sync builds a new one
             raise
-        sender.finalize()
         return counts
+
+    def _sync_sender(self, serves: tuple, make: Callable[[], WeightSender]) -> WeightSender:
+        """The last sync's sender if it kept its group for the same replicas and settings (`serves`; a restarted
+        replica has a new server id); otherwise a new one, the kept one torn down."""
+        if self._kept_sender is not None and self._kept_sender[0] == serves:
+            return self._kept_sender[1]
+        self.release_sync_group()
+        sender = make()
+        if sender.keeps_group:
+            self._kept_sender = (serves, sender)
+        return sender
 
     def abort_all(self) -> list[int]:
         with self._lock:
@@ -393,8 +410,20 @@ class LLMServerManager:
         handles = self._call(self.balancer.handles.remote())
         return self._fan_out("health", handles)
 
+    @property
+    def kept_sync_group(self) -> str | None:
+        """The id of the sync group kept for the next transport sync (weight_sync.keep_group), if any."""
+        return getattr(self._kept_sender[1], "group_id", None) if self._kept_sender is not None else None
+
+    def release_sync_group(self) -> None:
+        """Tear down a kept sync group (the replicas drop theirs when the next sync names another)."""
+        if self._kept_sender is not None:
+            self._kept_sender[1].finalize(wait=False)
+            self._kept_sender = None
+
     def shutdown(self) -> None:
         self.stop_monitor()
+        self.release_sync_group()
         for rank in list(self.replicas):
             self.remove_replica(rank)
         ray.kill(self.balancer)

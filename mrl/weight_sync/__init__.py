@@ -1,6 +1,6 @@
-"""Weight-sync transports (DESIGN.md glossary): `ipc` (same device), `nccl` (temporary group; gloo on CPU) and
-`disk` (safetensors by path), behind one interface (mrl/weight_sync/base.py). The sync state machine of the async
-trainer modes lives in state_machine.py.
+"""Weight-sync transports (DESIGN.md glossary): `ipc` (same device), `nccl` (its own process group, kept across
+syncs; gloo on CPU) and `disk` (safetensors by path), behind one interface (mrl/weight_sync/base.py). The sync state
+machine of the async trainer modes lives in state_machine.py.
 
 This package imports torch and safetensors only: vLLM's worker processes and the GPU benchmark import it too.
 """
@@ -41,7 +41,7 @@ def make_sender(transport: str, world_size: int, bucket_bytes: int, timeout_s: f
 
 def make_receiver(spec: dict[str, Any], rank: int) -> WeightReceiver:
     """A rollout worker's side, from the spec its sender's `prepare()` returned."""
-    return _classes(spec["transport"])[1](spec, rank)
+    return _classes(spec["transport"])[1].for_sync(spec, rank)
 
 
 def receive_into(spec: dict[str, Any], rank: int, load: Any) -> int:
@@ -58,6 +58,7 @@ def receive_into(spec: dict[str, Any], rank: int, load: Any) -> int:
             count += len(named)
     except BaseException as error:
         receiver.control.fail(error)
+        receiver.close()
         raise
     receiver.finalize()
     return count

@@ -74,10 +74,16 @@ class Control:
         store = TCPStore(host, listener.getsockname()[1], None, True, timeout=datetime.timedelta(seconds=timeout_s),
                          wait_for_workers=False, master_listen_fd=listener.fileno())
         spec = {"transport": transport, "host": host, "port": store.port, "world_size": world_size,
-                "timeout_s": timeout_s, "session": f"mrl_ws_{uuid.uuid4().hex[:12]}"}
+                "timeout_s": timeout_s, "session": ""}
         control = cls(spec, 0, store)
+        control.new_session()
         control.listener = listener  # the store serves on this socket: keep it open as long as the store
         return control
+
+    def new_session(self) -> None:
+        """Key the next sync's messages apart from the last one's (a sender whose group outlives a sync)."""
+        self.prefix = f"mrl_ws_{uuid.uuid4().hex[:12]}"
+        self.spec = {**self.spec, "session": self.prefix}
 
     def key(self, *parts: Any) -> str:
         return "/".join([self.prefix, *map(str, parts)])
@@ -94,6 +100,12 @@ class Control:
         with contextlib.suppress(Exception):  # the store itself may be what failed
             self.store.set(self.key("error"), f"rank {self.rank}: {type(error).__name__}: {error}")
 
+    def raise_peer_error(self, stage: str) -> None:
+        """Raise the error a peer reported (`fail`), if one did."""
+        if self.store.check([self.key("error")]):
+            message = self.store.get(self.key("error")).decode()
+            raise WeightSyncPeerError(f"weight sync ({self.transport}) stage '{stage}': {message}")
+
     def wait(self, stage: str, keys: dict[int, str], timeout_s: float | None = None) -> None:
         """Wait until every key exists ({rank that writes it: key}); raise naming the ranks whose key is missing."""
         limit = self.timeout_s if timeout_s is None else timeout_s
@@ -106,9 +118,7 @@ class Control:
                 pending.pop(r)
             if not pending:
                 return
-            if self.store.check([self.key("error")]):
-                message = self.store.get(self.key("error")).decode()
-                raise WeightSyncPeerError(f"weight sync ({self.transport}) stage '{stage}': {message}")
+            self.raise_peer_error(stage)
             if time.monotonic() > deadline:
                 raise timeout_error(self.transport, stage, pending, limit)
             # Polling, not store.wait: a waiter must also notice a peer's error, and short pauses keep a
@@ -138,15 +148,28 @@ class WeightSender(ABC):
 
     transport = ""
 
-    def __init__(self, world_size: int, bucket_bytes: int, timeout_s: float, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, world_size: int, bucket_bytes: int, timeout_s: float, host: str = "127.0.0.1", keep_group: bool = False
+    ) -> None:
         if bucket_bytes < 1024:
             raise ValueError(f"weight-sync bucket size must be >= 1 KiB, got {bucket_bytes} bytes")
         self.world_size, self.bucket_bytes, self.timeout_s, self.host = world_size, bucket_bytes, timeout_s, host
+        self.keep_group = keep_group
         self.control: Control | None = None
 
+    @property
+    def keeps_group(self) -> bool:
+        """Whether a successful `finalize` keeps store, group and buffers for the next sync (transports that have
+        a group to keep say so)."""
+        return False
+
     def prepare(self) -> dict[str, Any]:
-        """Start the control store and allocate buffers; return the spec for the receivers."""
-        self.control = Control.host(self.transport, self.world_size, self.timeout_s, self.host)
+        """Start the control store (or, on a kept link, a new session in it) and allocate buffers; return the spec
+        for the receivers."""
+        if self.control is None:
+            self.control = Control.host(self.transport, self.world_size, self.timeout_s, self.host)
+        else:
+            self.control.new_session()
         return {**self.control.spec, "bucket_bytes": self.bucket_bytes, **self._prepare()}
 
     def _prepare(self) -> dict[str, Any]:
@@ -168,15 +191,24 @@ class WeightSender(ABC):
 
     def finalize(self, wait: bool = True) -> None:
         """Wait until every receiver has finished (`wait`; skipped after a failure), then free buffers, the group
-        and last the store (receivers read their final keys from it)."""
+        and last the store (receivers read their final keys from it). A sender that `keeps_group` keeps all three
+        after a sync that succeeded and only clears the sync's keys; any failure, or `wait=False`, tears down."""
         if self.control is None:
             return
+        kept = False
         try:
             if wait:
                 self.wait_done()
+                kept = self.keeps_group
         finally:
-            self._finalize()
-            self.control = None
+            if kept:
+                self._clear_session()
+            else:
+                self._finalize()
+                self.control = None
+
+    def _clear_session(self) -> None:
+        return None
 
     def wait_done(self) -> None:
         """Wait until every receiver reports it has loaded the whole stream."""
@@ -210,8 +242,17 @@ class WeightReceiver(ABC):
     @abstractmethod
     def _receive(self) -> Iterator[list[tuple[str, torch.Tensor]]]: ...
 
+    @classmethod
+    def for_sync(cls, spec: dict[str, Any], rank: int) -> WeightReceiver:
+        """This process's receiver for the sync of `spec` (transports that keep a group reuse theirs)."""
+        return cls(spec, rank)
+
     def finalize(self) -> None:
         self.control.set(1, "done", self.rank)
+
+    def close(self) -> None:
+        """Release what this receiver holds after a failed sync (nothing unless the transport keeps a group)."""
+        return None
 
 
 def sync_device() -> None:

@@ -1,11 +1,17 @@
-"""`nccl`: weight sync to standalone replicas through a temporary process group (gloo on CPU).
+"""`nccl`: weight sync to standalone replicas through a process group of its own (gloo on CPU).
 
 The group is trainer rank 0 plus every rollout worker, built from its own TCPStore with the c10d backend classes
 directly (`ProcessGroupNCCL` / `ProcessGroupGloo`), like vLLM's StatelessProcessGroup: it never touches the
-default group that Megatron (trainer) or vLLM (workers) already initialised, and it is destroyed in `finalize`.
-Buckets are broadcast from rank 0 with two buffers per side: the sender packs bucket k+1 while bucket k is in
-flight; a receiver posts the receive of bucket k+1 before it loads bucket k. Bucket metadata travels through the
-store; each receiver records its progress there, so a stalled broadcast names the ranks that fell behind.
+default group that Megatron (trainer) or vLLM (workers) already initialised. Buckets are broadcast from rank 0 with
+two buffers per side: the sender packs bucket k+1 while bucket k is in flight; a receiver posts the receive of
+bucket k+1 before it loads bucket k. Bucket metadata travels through the store; each receiver records its progress
+there, so a stalled broadcast names the ranks that fell behind.
+
+With `keep_group` (weight_sync.keep_group) the group, its buffers and the store outlive a sync that succeeded: the
+next sync to the same members is a new session of keys in the same store over the same communicator (creating one
+costs hundreds of milliseconds on two GPUs, more across nodes). Each receiving process keeps the receiver of its
+rank; a spec naming another group (members changed, or a sync failed and the sender tore its side down) replaces
+it. Any failure tears down both sides, so a broken communicator is never reused.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mrl.weight_sync.base import WeightReceiver, WeightSender, sync_device, timeout_error
+from mrl.weight_sync.base import Control, WeightReceiver, WeightSender, sync_device, timeout_error
 from mrl.weight_sync.buckets import BucketReader, fill_buckets
 
 NUM_BUFFERS = 2
@@ -31,7 +37,7 @@ def _device(spec_device: str | None = None) -> torch.device:
 
 
 def new_group(store: Any, prefix: str, rank: int, world_size: int, device: torch.device, timeout_s: float) -> Any:
-    """A process group that exists only for this sync: its own store prefix, no default-group registration."""
+    """A process group of the sync's members: its own store prefix, no default-group registration."""
     from torch.distributed import PrefixStore
 
     store = PrefixStore(f"{prefix}/pg/", store)
@@ -77,18 +83,27 @@ class NcclSender(WeightSender):
         super().__init__(*args, **kwargs)
         self.device = torch.device(device) if device is not None else _device()
         self.group: Any = None
+        self.group_id = ""
         self.buffers: list[torch.Tensor] = []
+        self.buckets_sent = 0
+
+    @property
+    def keeps_group(self) -> bool:
+        return self.keep_group
 
     def _prepare(self) -> dict[str, Any]:
-        self.buffers = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device)
-                        for _ in range(NUM_BUFFERS)]
-        return {"device": self.device.type}
+        if self.group is None:  # a new group (first sync, or after a teardown): named after this session
+            self.group_id = self.control.prefix
+            self.buffers = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device)
+                            for _ in range(NUM_BUFFERS)]
+        return {"device": self.device.type, "group": self.group_id, "keep_group": self.keep_group}
 
     def init_process_group(self) -> None:
         super().init_process_group()
-        c = self.control
-        self.group = new_group(c.store, c.prefix, 0, self.world_size, self.device, self.timeout_s)
-        connect(self.group, self.device)
+        if self.group is None:
+            c = self.control
+            self.group = new_group(c.store, self.group_id, 0, self.world_size, self.device, self.timeout_s)
+            connect(self.group, self.device)
 
     def _send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         c, works = self.control, [None] * NUM_BUFFERS
@@ -105,6 +120,7 @@ class NcclSender(WeightSender):
             count += sum(start + nbytes == total for *_, nbytes, start, total in entries)
             k += 1
         c.set({"end": True}, "meta", k)
+        self.buckets_sent = k
         for work in works:
             self._wait(work, None)
         return count
@@ -115,16 +131,30 @@ class NcclSender(WeightSender):
         handle, k = work
         try:
             handle.wait()
-        except Exception as error:  # the backend's own timeout (or a peer that died): name who fell behind
+        except Exception as error:  # a receiver that gave up (it says why), the backend's timeout, a dead peer
             c = self.control
+            c.raise_peer_error(f"broadcast of bucket {k}")
             behind = [r for r in range(1, self.world_size)
                       if not c.store.check([c.key("received", k, r)])]
             raise timeout_error(self.transport, f"broadcast of bucket {k}", behind, self.timeout_s) from error
+
+    def _clear_session(self) -> None:
+        """Delete the finished sync's keys from the kept store (it would otherwise grow by every sync's metadata)."""
+        c, receivers = self.control, range(1, self.world_size)
+        keys = [c.key("go"), c.key("joined", 0)] + [c.key("meta", k) for k in range(self.buckets_sent + 1)]
+        keys += [c.key(stage, r) for stage in ("joined", "done") for r in receivers]
+        keys += [c.key("received", k, r) for k in range(self.buckets_sent) for r in receivers]
+        for key in keys:
+            c.store.delete_key(key)
 
     def _finalize(self) -> None:
         self.buffers = []
         destroy_group(self.group)
         self.group = None
+
+
+# Per receiving process and rank: the receiver whose group outlives its sync (keep_group).
+_KEPT: dict[int, NcclReceiver] = {}
 
 
 class NcclReceiver(WeightReceiver):
@@ -135,11 +165,28 @@ class NcclReceiver(WeightReceiver):
         self.buffers = [torch.empty(spec["bucket_bytes"], dtype=torch.uint8, device=self.device)
                         for _ in range(NUM_BUFFERS)]
 
+    @classmethod
+    def for_sync(cls, spec: dict[str, Any], rank: int) -> NcclReceiver:
+        kept = _KEPT.pop(rank, None)
+        if kept is not None and kept.spec.get("group") == spec.get("group") and spec.get("keep_group"):
+            kept.spec = spec  # same group, next session: new keys, same store connection, group and buffers
+            kept.control = Control(spec, rank, store=kept.control.store)
+            receiver = kept
+        else:
+            if kept is not None:
+                kept.close()
+            receiver = cls(spec, rank)
+        if spec.get("keep_group"):
+            _KEPT[rank] = receiver
+        return receiver
+
     def init_process_group(self) -> None:
         super().init_process_group()
-        c = self.control
-        self.group = new_group(c.store, c.prefix, self.rank, self.spec["world_size"], self.device, c.timeout_s)
-        connect(self.group, self.device)
+        if self.group is None:
+            c = self.control
+            self.group = new_group(c.store, self.spec["group"], self.rank, self.spec["world_size"], self.device,
+                                   c.timeout_s)
+            connect(self.group, self.device)
 
     def _post(self, k: int) -> tuple[dict[str, Any], Any]:
         meta = self.control.get(f"bucket {k} announced", "meta", k)
@@ -163,6 +210,12 @@ class NcclReceiver(WeightReceiver):
     def finalize(self) -> None:
         sync_device()
         super().finalize()  # report done first: the sender destroys its side only after every receiver is done
+        if not self.spec.get("keep_group"):
+            self.close()
+
+    def close(self) -> None:
+        if _KEPT.get(self.rank) is self:
+            del _KEPT[self.rank]
         self.buffers = []
         destroy_group(self.group)
         self.group = None

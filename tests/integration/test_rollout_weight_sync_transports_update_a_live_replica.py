@@ -2,7 +2,7 @@
 (one shared vLLM-CPU engine for all transports, and the hf backend) in place: afterwards the replica's log-probs
 match the new weights within 1e-4 and no longer the old ones, and the version advances. Buckets are small, so
 tensors are split across buckets and layers straddle bucket boundaries (what vLLM's layer-wise reload must survive
-while both transport buffers are reused)."""
+while both transport buffers are reused). With keep_group, nccl syncs reuse one group, each loading its weights."""
 
 from __future__ import annotations
 
@@ -32,4 +32,22 @@ def test_transport_loads_new_weights_into_the_replica(manager, hf_models, transp
         assert max_logprob_error(hf_models[1], PROMPT, out) <= 1e-4
         assert max_logprob_error(hf_models[0], PROMPT, out) > 1e-2, "log-probs still follow the old weights"
     finally:
+        restore_seed0(manager, hf_models)
+
+
+def test_nccl_syncs_reuse_one_kept_group(manager, hf_models):
+    client = manager.client()
+    groups = []
+    try:
+        for i, model in enumerate((hf_models[1], hf_models[0], hf_models[1])):
+            version = next_version()
+            loaded = manager.update_weights(model.state_dict().items(), version, BUCKET_BYTES, transport="nccl",
+                                            timeout_s=120, keep_group=True)
+            groups.append(manager.kept_sync_group)
+            out = run(client.generate(f"ws-kept-{i}", PROMPT, SAMPLED))
+            assert loaded == [len(model.state_dict())] and out.version == version
+            assert max_logprob_error(model, PROMPT, out) <= 1e-4
+        assert groups[0] is not None and groups == groups[:1] * 3
+    finally:
+        manager.release_sync_group()
         restore_seed0(manager, hf_models)

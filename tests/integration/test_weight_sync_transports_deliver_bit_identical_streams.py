@@ -95,7 +95,7 @@ def test_missing_receiver_times_out_naming_rank_stage_and_knob():
     assert "'rendezvous'" in message and "[3]" in message and "weight_sync.timeout_s" in message
 
 
-@pytest.mark.parametrize("transport", ["ipc", "disk"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_failing_receiver_stops_the_sender_with_its_error(transport):
     with pytest.raises(WeightSyncPeerError, match="rank 2: RuntimeError: cannot load this bucket"):
         run_sync(transport, failing_rank=2)

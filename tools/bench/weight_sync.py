@@ -149,14 +149,12 @@ def time_copy(nbytes: int, device: torch.device, reps: int = 5) -> float:
     return statistics.median(times[1:])
 
 
-def time_sync(transport: str, bridge: Any, chunks: Any, bucket: int, inbox: Any, outbox: Any) -> dict[str, Any]:
-    from mrl.weight_sync import make_sender
-
-    sender = make_sender(transport, 2, bucket, SYNC_TIMEOUT_S, device=_device(0))
+def time_sync(sender: Any, bridge: Any, chunks: Any, inbox: Any, outbox: Any) -> dict[str, Any]:
+    """One sync through `sender`; a sender that keeps its group (keep_group) still holds it afterwards."""
     spec = sender.prepare()
     inbox.put(("sync", spec))
     start = time.perf_counter()
-    sender.init_process_group()  # joins the receivers; nccl also creates its communicator here (per sync)
+    sender.init_process_group()  # joins the receivers; nccl also creates its communicator, unless it kept one
     _sync()
     setup_s = time.perf_counter() - start
     start = time.perf_counter()
@@ -164,11 +162,25 @@ def time_sync(transport: str, bridge: Any, chunks: Any, bucket: int, inbox: Any,
     sender.wait_done()  # the receiver has loaded every bucket
     seconds = time.perf_counter() - start
     start = time.perf_counter()
-    sender.finalize(wait=False)  # frees the buffers; nccl destroys its communicator (per sync)
+    sender.finalize()  # nccl: destroys its communicator and frees the buffers, or keeps both and clears the keys
     teardown_s = time.perf_counter() - start
     count, checksum = outbox.get(timeout=2 * SYNC_TIMEOUT_S)
     return {"seconds": seconds, "setup_s": setup_s, "teardown_s": teardown_s, "tensors": sent, "received": count,
             "embed_sum": checksum}
+
+
+def time_kept_group(bridge: Any, chunks: Any, bucket: int, inbox: Any, outbox: Any, repeats: int) -> dict[str, Any]:
+    """nccl with keep_group: the syncs after the first, which built the group, reuse it."""
+    from mrl.weight_sync import make_sender
+
+    sender = make_sender("nccl", 2, bucket, SYNC_TIMEOUT_S, device=_device(0), keep_group=True)
+    try:
+        runs = [time_sync(sender, bridge, chunks, inbox, outbox) for _ in range(repeats + 1)][1:]
+    finally:
+        sender.finalize(wait=False)
+    return {"kept_group_setup_s": statistics.median(r["setup_s"] for r in runs),
+            "kept_group_seconds": min(r["seconds"] for r in runs),
+            "kept_group_clear_s": statistics.median(r["teardown_s"] for r in runs)}
 
 
 def time_raw_broadcast(nbytes: int, bucket: int, inbox: Any, outbox: Any) -> float:
@@ -194,6 +206,8 @@ def time_raw_broadcast(nbytes: int, bucket: int, inbox: Any, outbox: Any) -> flo
 
 
 def main() -> None:
+    from mrl.weight_sync import make_sender
+
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true", help="tiny shape (default on a CPU-only machine)")
     parser.add_argument("--buckets-mb", default="64,256,512,1024,2048")
@@ -231,7 +245,8 @@ def main() -> None:
         proc.start()
         try:
             for bucket in sizes:
-                runs = [time_sync(transport, bridge, chunks, bucket, inbox, outbox) for _ in range(args.repeats)]
+                runs = [time_sync(make_sender(transport, 2, bucket, SYNC_TIMEOUT_S, device=_device(0)), bridge,
+                                  chunks, inbox, outbox) for _ in range(args.repeats)]
                 best = min(runs, key=lambda r: r["seconds"])
                 row = {"transport": transport, "receiver_device": device_index, "bucket_mb": bucket / 2**20,
                        **best, "gb_s": total / best["seconds"] / 1e9, "ratio_vs_copy": copy_s / best["seconds"],
@@ -239,7 +254,8 @@ def main() -> None:
                        "checksum_ok": abs(best["embed_sum"] - expected_sum) <= 1e-3 * max(1.0, abs(expected_sum))}
                 if transport == "nccl":
                     raw = time_raw_broadcast(total, bucket, inbox, outbox)
-                    row.update(raw_broadcast_s=raw, ratio_vs_raw_broadcast=raw / best["seconds"])
+                    row.update(raw_broadcast_s=raw, ratio_vs_raw_broadcast=raw / best["seconds"],
+                               **time_kept_group(bridge, chunks, bucket, inbox, outbox, args.repeats))
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
         finally:
@@ -264,6 +280,12 @@ def print_table(result: dict[str, Any]) -> None:
               f"{r['seconds']:.4f} | {r['gb_s']:.1f} | {r['ratio_vs_copy']:.3f} | {raw} | {r['teardown_s']:.3f} | "
               f"{r['received']}/{r['tensors']} | "
               f"{'ok' if r['checksum_ok'] else 'MISMATCH'} |")
+    for r in result["rows"]:
+        if "kept_group_setup_s" in r:
+            print(f"nccl, bucket {r['bucket_mb']:g} MB, group kept from the previous sync: setup "
+                  f"{r['kept_group_setup_s']:.4f} s (built per sync: {r['setup_s']:.3f} s + teardown "
+                  f"{r['teardown_s']:.3f} s), transfer {r['kept_group_seconds']:.4f} s, key clearing "
+                  f"{r['kept_group_clear_s']:.4f} s")
 
 
 if __name__ == "__main__":
