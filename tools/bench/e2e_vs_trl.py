@@ -21,8 +21,8 @@ than fp32. Threads: TRL gets two; mrl's worker and its hybrid vLLM engine take t
 (mrl/workers/cpu_threads.py; the engine runs vLLM's in-process executor, rollout_adapters/vllm/adapter.py).
 
 Measured on the 2-core development host (AMD EPYC, a VM; nothing else running), one run per line, medians of
-steps 2-6. The host is noisy: steps within a run spread by about 10%, and mrl-only runs of the same code an hour
-apart gave 34.1, 34.8 and 36.4 s/step:
+steps 2-6. The host is noisy: steps within a run spread by about 10%, and mrl-only runs the same hour as the 04:42
+line gave 34.1 and 34.8 s/step (1.45x and 1.42x against its TRL):
 
     size, bf16, time (11-30) | TRL s/step (gen / old_lp+adv / train) | mrl (gen / old_lp / update / sync) | mrl/TRL
     50m, 04:42               | 49.3 (21.5 / 6.5 / 21.4)              | 36.4 (9.0 / 3.5 / 23.6 / 0.3)      | 1.36x
