@@ -9,7 +9,9 @@ min_version < max_version; no trained sample is staler than weight_sync.stalenes
 Whether generation is still running when a step ends depends on the machine's load (on a loaded 2-core host the
 pool sometimes finished every group during the update). So in step 2 the test pauses the pool mid-generation
 (abort_all: partial tokens kept, re-sent requests parked) for the update, as a slow generation would be; the
-step's sync then resumes them on the new weights. Steps 1 and 3 run unpaused.
+step's sync then resumes them on the new weights. Steps 1 and 3 run unpaused. Each probe runs before the producer
+learns the new version: the groups that version admits start only after it, so they cannot all finish during the
+probe (on a host running at half speed they once did, leaving nothing to pause).
 """
 
 from __future__ import annotations
@@ -59,8 +61,17 @@ class ProbingTrainer(SeparateAsyncTrainer):
         self.paused = sum(self.parts.rollout.abort_all())
 
     def sync_weights(self) -> None:
-        super().sync_weights()
-        self.probes.append(self.probe())
+        admit = self.producer.set_version
+
+        def probe_then_admit(version: int) -> None:
+            self.probes.append(self.probe())
+            admit(version)
+
+        self.producer.set_version = probe_then_admit
+        try:
+            super().sync_weights()
+        finally:
+            del self.producer.set_version
 
     def probe(self) -> dict:
         client = self.parts.rollout.client()
