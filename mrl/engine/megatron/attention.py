@@ -32,7 +32,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 from torch import Tensor
 
-# Use the variable-length flash kernel for packed rows where it applies, and the compiled RMSNorm on CUDA
+# Use the variable-length flash kernel for packed rows where it applies, and the compiled RMSNorm where enabled
 # (tools/bench/engine.py switches each off to measure it).
 FLASH_VARLEN = True
 COMPILE_NORM = True
@@ -230,18 +230,28 @@ def _compiled_rms_norm() -> Any:
 
 
 class CompiledRMSNorm(torch.nn.RMSNorm):
-    """torch.nn.RMSNorm (what Megatron's local spec builds) whose CUDA forward and backward are one compiled
+    """torch.nn.RMSNorm (what Megatron's local spec builds) whose forward and backward can run as one compiled
     kernel each: eager autograd decomposes the norm's backward into ~10 elementwise kernels per call, and the
-    local spec runs four norms per layer (input, pre-MLP, and Qwen3's q/k). Same parameter, same formula
-    (fp32 statistics); on CPU the eager module runs unchanged."""
+    local spec runs four norms per layer (input, pre-MLP, and Qwen3's q/k). Same parameter, same formula (fp32
+    statistics). `compiled` (set by the engine from `megatron.compile_fusions`); None compiles on CUDA only."""
+
+    compiled: bool | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        if not (x.is_cuda and COMPILE_NORM):
+        if not (COMPILE_NORM and (x.is_cuda if self.compiled is None else self.compiled)):
             return super().forward(x)
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         # Always 2-D: one compiled graph serves the [s, b, hidden] and the [t, heads, head_dim] (q/k) norms; each
         # extra input rank would be another recompilation, and dynamo falls back to eager after eight.
         return _compiled_rms_norm()(x.reshape(-1, x.shape[-1]), self.weight, eps).view(x.shape)
+
+
+def compile_norms(modules: list[torch.nn.Module], enabled: bool) -> None:
+    """Run every `CompiledRMSNorm` under `modules` compiled (or eager), whatever the device."""
+    for module in modules:
+        for norm in module.modules():
+            if isinstance(norm, CompiledRMSNorm):
+                norm.compiled = enabled
 
 
 class LocalNorm:

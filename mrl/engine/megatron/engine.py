@@ -99,15 +99,17 @@ class MegatronEngine(BaseEngine):
         from transformers import AutoConfig
 
         from bridges.registry import bridge_for
-        from mrl.engine.megatron.model import cuda_fusions, runtime_config
+        from mrl.engine.megatron.attention import compile_norms
+        from mrl.engine.megatron.model import fusion_fields, runtime_config
         from mrl.engine.megatron.parallel import init_distributed, initialize_model_parallel
 
         init_distributed()
         initialize_model_parallel(self.layout, seed=self.seed)
         self.bridge = bridge_for(AutoConfig.from_pretrained(self.model_path), backend=self.bridge_backend)
         dtype = getattr(torch, self.cfg.params_dtype)
+        fused = torch.cuda.is_available() if self.cfg.compile_fusions is None else self.cfg.compile_fusions
         overrides = {
-            **cuda_fusions(self.bridge.config_fields()),
+            **fusion_fields(self.bridge.config_fields(), fused),
             **self._recompute_fields(),
             **self.cfg.override_transformer_config,
         }
@@ -116,6 +118,7 @@ class MegatronEngine(BaseEngine):
         )
         self.tf_config = self.bridge.transformer_config(**fields)
         chunks = build_chunks(self.tf_config, self.bridge.model_kwargs())
+        compile_norms(chunks, fused)
         self.bridge.load_hf(chunks, self.model_path)
         self._prepare_chunks(chunks)
         ddp_config = DistributedDataParallelConfig(

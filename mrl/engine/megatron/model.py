@@ -76,12 +76,11 @@ def runtime_config(
     return fields
 
 
-def cuda_fusions(architecture: Mapping[str, Any]) -> dict[str, Any]:
-    """Fused-kernel switches that need neither TransformerEngine nor apex, on CUDA only (CPU keeps one exact path):
-    Megatron's torch.compile'd residual add (`bias_dropout_add_fused_train`) and, where the architecture is a
-    SiLU-gated MLP, its torch.compile'd SwiGLU (`bias_swiglu_impl`: one kernel each way, saves only the fc1
-    output)."""
-    if not torch.cuda.is_available():
+def fusion_fields(architecture: Mapping[str, Any], enabled: bool) -> dict[str, Any]:
+    """Fused-kernel switches that need neither TransformerEngine nor apex (`megatron.compile_fusions`): Megatron's
+    torch.compile'd residual add (`bias_dropout_add_fused_train`) and, where the architecture is a SiLU-gated MLP,
+    its torch.compile'd SwiGLU (`bias_swiglu_impl`: one kernel each way, saves only the fc1 output)."""
+    if not enabled:
         return {}
     fields: dict[str, Any] = {"bias_dropout_fusion": True}
     if architecture.get("gated_linear_unit") and architecture.get("activation_func") is torch.nn.functional.silu:
