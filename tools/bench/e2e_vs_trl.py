@@ -20,18 +20,21 @@ parameters with fp32 main weights and a bf16 vLLM engine. This CPU (avx512_bf16)
 than fp32. Threads: TRL gets two; mrl's worker and its hybrid vLLM engine take turns on both cores
 (mrl/workers/cpu_threads.py; the engine runs vLLM's in-process executor, rollout_adapters/vllm/adapter.py).
 
-Measured on the 2-core development host (AMD EPYC, a VM; nothing else running), one run per line, medians of
-steps 2-6. The host is noisy: steps within a run spread by about 10%, and mrl-only runs the same hour as the 04:42
-line gave 34.1 and 34.8 s/step (1.45x and 1.42x against its TRL):
+Measured on the 2-core development host (AMD EPYC, a VM; nothing else running), medians of steps 2-6. The host is
+noisy: steps within a run spread by about 10%. The 11-30 07:32 lines are one TRL run and two mrl runs right after
+it (`--only trl`, then `--only mrl` without and with the two compile switches):
 
-    size, bf16, time (11-30) | TRL s/step (gen / old_lp+adv / train) | mrl (gen / old_lp / update / sync) | mrl/TRL
-    50m, 04:42               | 49.3 (21.5 / 6.5 / 21.4)              | 36.4 (9.0 / 3.5 / 23.6 / 0.3)      | 1.36x
-    50m, 03:00               | 49.7 (21.5 / 6.7 / 21.9)              | 35.3 (8.8 / 3.3 / 22.7 / 0.2)      | 1.41x
-    50m, TRL with its default gradient checkpointing: 55.9 s/step (22.0 / 6.5 / 26.8)           -> 1.58x
-    tiny                     | 0.302 (0.075 / 0.039 / 0.185)         | 0.693 (0.288 / 0.052 / 0.277 / 0.064) | 0.44x
+    size, bf16, time (11-30)   | TRL s/step (gen / old_lp+adv / train) | mrl (gen / old_lp / update / sync) | mrl/TRL
+    50m, 07:32                 | 50.3 (21.4 / 6.7 / 21.8)              | 35.1 (9.3 / 3.7 / 22.0 / 0.3)      | 1.43x
+    50m, 07:32, mrl compiled*  |                                       | 33.3 (8.6 / 3.3 / 21.0 / 0.3)      | 1.51x
+    50m, 04:42                 | 49.3 (21.5 / 6.5 / 21.4)              | 36.4 (9.0 / 3.5 / 23.6 / 0.3)      | 1.36x
+    50m, TRL with its default gradient checkpointing: 55.9 s/step (22.0 / 6.5 / 26.8)             -> 1.58x
+    tiny                       | 0.302 (0.075 / 0.039 / 0.185)         | 0.693 (0.288 / 0.052 / 0.277 / 0.064) | 0.44x
 
-`--mrl-set rollout.enforce_eager=false` compiles vLLM's model (inductor; ~35 s once per engine start, cached):
-generation 8.5 -> 7.8 s in back-to-back runs (8.8 s in a later one), `logprob_mismatch` unchanged (1.005).
+*`--mrl-set actor.megatron.compile_fusions=true --mrl-set rollout.enforce_eager=false`: Megatron's SwiGLU and
+residual add and the RMSNorm compiled in the trainer (forward+backward 7% faster in an interleaved A/B), vLLM's
+model compiled (inductor); both compile once per process in the first step (dropped), `logprob_mismatch` 1.005
+as without. Neither is the CPU default (eager: no compile time for short runs and tests).
 
 The same day, before the CPU changes behind these numbers: 1.05x at 50m bf16 (mrl 48.3 s: gen 13.5 /
 old_lp 7.2 / update 26.9); fp32 with TRL's gradient checkpointing on, 1.08x. Why not 2x at 50m: the update is the
@@ -39,7 +42,7 @@ same forward, backward and Adam over about the same tokens on both sides (mrl pa
 and costs mrl as much per token as HF eager (1.3 vs 1.1 ms: the GEMMs run at the CPU's bf16 peak, ~390 GFLOP/s;
 the rest is the flash-attention backward of short documents and elementwise ops). Its GEMM floor alone is ~13 s;
 with vLLM generation at 9 s (a profile: 62% of it in GEMMs) the step cannot drop much below ~27 s, i.e. ~1.85x
-against TRL's 49.7 s. Generation does not dominate at 128 tokens on a CPU; on GPUs it does (HF generate is
+against TRL's ~50 s. Generation does not dominate at 128 tokens on a CPU; on GPUs it does (HF generate is
 latency-bound there), which this host cannot measure (no vLLM on the GPU machine).
 
     PYTHONPATH=/path/to/trl python tools/bench/e2e_vs_trl.py --size tiny
