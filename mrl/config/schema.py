@@ -102,9 +102,10 @@ class MegatronConfig:
     # Tokens per chunk of the vocab-parallel log-prob/entropy pass: bounds the logits the forward pass holds at
     # once (4096 measured fastest on an H200; smaller chunks lower peak memory).
     logprob_chunk_tokens: int = 4096
-    # torch.compile'd fused kernels without TE or apex: Megatron's SwiGLU and residual-add fusions and the RMSNorm
-    # (one kernel each way). None: on CUDA, off on CPU (eager, no compile time). On a 2-core CPU, 50M bf16 model:
-    # forward+backward 7% faster, after ~10 s of compiling in each process's first step (cached on disk).
+    # torch.compile'd fused kernels without TE or apex: Megatron's SwiGLU and residual-add fusions, the RMSNorm
+    # and the log-prob's elementwise work (one kernel each way). None: on CUDA, off on CPU (eager, no compile
+    # time). On a 2-core CPU, 50M bf16 model: forward+backward 7% faster, after ~10 s of compiling in each
+    # process's first step (cached on disk).
     compile_fusions: bool | None = None
     # Extra TransformerConfig fields passed through verbatim (for knobs without a named field here).
     override_transformer_config: dict[str, Any] = field(default_factory=dict)

@@ -201,7 +201,7 @@ def bench_model(rank: int, world: int, path: str, workloads: dict, opts: dict) -
         switches = {
             "per-document SDPA (no varlen flash)": (attention, "FLASH_VARLEN", False),
             "RMSNorm eager (not compiled)": (attention, "COMPILE_NORM", False),
-            "log-prob elementwise eager (no torch.compile)": (logprob, "COMPILE_ON_CUDA", False),
+            "log-prob elementwise eager (no torch.compile)": (logprob, "COMPILE_ELEMENTWISE", False),
             "logits recomputed in backward": (engine.cfg, "logprob_keep_logits_gib", 0.0),
         }
         for label, (obj, attr, value) in switches.items():

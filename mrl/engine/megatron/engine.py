@@ -261,6 +261,7 @@ class MegatronEngine(BaseEngine):
             "labels": next_token_labels(mb.input_ids),
             "chunk_tokens": self.chunk_tokens,
             "keep_logits_bytes": int(self.cfg.logprob_keep_logits_gib * 2**30),
+            "compiled": self.cfg.compile_fusions,
         }
 
     def _token_outputs(self, mb: PackedMicroBatch, output: Any) -> dict[str, Tensor]:

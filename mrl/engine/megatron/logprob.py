@@ -17,8 +17,9 @@ backward recomputes each block's GEMM (4 vocabulary GEMMs instead of 3). The gra
 partial sum; the caller feeds h through Megatron's `copy_to_tensor_model_parallel_region` (or the
 sequence-parallel gather) whose backward sums it over TP, exactly as for the output ColumnParallelLinear.
 
-On CUDA the elementwise work of a chunk or block (exp, sums, the logit gradient) runs as one torch.compile'd
-kernel each, reading the bf16 logits once instead of making several fp32 passes; on CPU it runs eagerly.
+With `compiled` (the engine's `megatron.compile_fusions`; None: on CUDA only) the elementwise work of a chunk
+or block (exp, sums, the logit gradient) runs as one torch.compile'd kernel each, reading the bf16 logits once
+instead of making several fp32 passes; otherwise it runs eagerly.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ log = logging.getLogger(__name__)
 DEFAULT_CHUNK_TOKENS = 4096
 # Logits kept for the backward per micro-batch and rank: 16k tokens at a 152k vocabulary in bf16 is 4.6 GiB.
 DEFAULT_KEEP_LOGITS_BYTES = 4 << 30
-# torch.compile the elementwise parts on CUDA (tools/bench/engine.py switches it off to measure the difference).
-COMPILE_ON_CUDA = True
+# torch.compile the elementwise parts where `compiled` asks for it (tools/bench/engine.py switches it off to
+# measure the difference).
+COMPILE_ELEMENTWISE = True
 
 
 def _all_reduce(x: Tensor, op: Any, group: Any) -> Tensor:
@@ -84,14 +86,23 @@ def _compiled(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
     return torch.compile(fn, dynamic=True)
 
 
-def _kernel(fn: Callable[..., Tensor], x: Tensor) -> Callable[..., Tensor]:
-    return _compiled(fn) if COMPILE_ON_CUDA and x.is_cuda else fn
+def _kernel(fn: Callable[..., Tensor], x: Tensor, compiled: bool | None) -> Callable[..., Tensor]:
+    on = x.is_cuda if compiled is None else compiled
+    return _compiled(fn) if COMPILE_ELEMENTWISE and on else fn
 
 
 class _VocabParallelLogProb(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, h: Tensor, w: Tensor, labels: Tensor, vocab_start: int, group: Any, chunk: int, keep_bytes: int
+        ctx: Any,
+        h: Tensor,
+        w: Tensor,
+        labels: Tensor,
+        vocab_start: int,
+        group: Any,
+        chunk: int,
+        keep_bytes: int,
+        compiled: bool | None,
     ):
         t, v = h.shape[0], w.shape[0]
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
@@ -99,7 +110,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
         kept = torch.empty(t, v, dtype=w.dtype, device=w.device) if keep else None
         logp, ent, lse = (torch.empty(t, dtype=torch.float32, device=h.device) for _ in range(3))
         local = labels - vocab_start
-        sums = _kernel(_chunk_sums, h)
+        sums = _kernel(_chunk_sums, h, compiled)
         for a in range(0, t, chunk):
             b = min(a + chunk, t)
             z = torch.mm(h[a:b], w.t(), out=kept[a:b]) if kept is not None else torch.mm(h[a:b], w.t())
@@ -111,7 +122,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
         # Unused outputs (entropy, usually) then reach backward as None and cost nothing.
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(h, w, labels, lse, ent, kept)
-        ctx.vocab_start, ctx.chunk = vocab_start, chunk
+        ctx.vocab_start, ctx.chunk, ctx.compiled = vocab_start, chunk, compiled
         return logp, ent
 
     @staticmethod
@@ -122,7 +133,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
         grad_w = torch.empty_like(w) if ctx.needs_input_grad[1] else None
         local = labels - ctx.vocab_start
         mean_z = lse - ent
-        logit_grad = _kernel(_logit_grad_, h)
+        logit_grad = _kernel(_logit_grad_, h, ctx.compiled)
         # Vocabulary blocks holding about as many logits as a forward chunk, in multiples of 128 columns.
         block = min(v, max(128, -(-ctx.chunk * v // max(t, 1) // 128) * 128))
         for a in range(0, v, block):
@@ -136,7 +147,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
             if grad_w is not None:
                 torch.mm(dz.t(), h, out=grad_w[a:b])
             del z, dz  # before the next block's GEMM allocates
-        return (grad_h.to(h.dtype) if grad_h is not None else None), grad_w, None, None, None, None, None
+        return (grad_h.to(h.dtype) if grad_h is not None else None), grad_w, *[None] * 6
 
 
 def vocab_parallel_logprobs(
@@ -148,11 +159,15 @@ def vocab_parallel_logprobs(
     vocab_start: int = 0,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     keep_logits_bytes: int = DEFAULT_KEEP_LOGITS_BYTES,
+    compiled: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(log p(labels), entropy) per token, fp32 [T], for replicated `hidden` [T, H] and the local vocab shard
     `weight` [V/tp, H] starting at global id `vocab_start`; differentiable w.r.t. hidden and weight.
-    `keep_logits_bytes`: the most memory the [T, V/tp] logits may take to be kept for the backward pass."""
-    return _VocabParallelLogProb.apply(hidden, weight, labels, vocab_start, tp_group, chunk_tokens, keep_logits_bytes)
+    `keep_logits_bytes`: the most memory the [T, V/tp] logits may take to be kept for the backward pass;
+    `compiled`: elementwise kernels compiled (None: on CUDA)."""
+    return _VocabParallelLogProb.apply(
+        hidden, weight, labels, vocab_start, tp_group, chunk_tokens, keep_logits_bytes, compiled
+    )
 
 
 def output_processor(
@@ -183,5 +198,6 @@ def output_processor(
         vocab_start=rank * weight.shape[0],
         chunk_tokens=context.get("chunk_tokens", DEFAULT_CHUNK_TOKENS),
         keep_logits_bytes=context.get("keep_logits_bytes", DEFAULT_KEEP_LOGITS_BYTES),
+        compiled=context.get("compiled"),
     )
     return logp.view(s, b).t(), ent.view(s, b).t()
