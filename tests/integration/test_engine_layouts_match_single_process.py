@@ -9,8 +9,9 @@ single-process run (fp32; gloo, or NCCL where CUDA is present): per-step loss (1
 after training (1e-5).
 
 Also here, because they share the launches: `infer` equals log_softmax of the HF model's logits at the next
-tokens; and packing several samples into one micro-batch gives the same gradients and log-probs as one sample
-per micro-batch, at TP=1 and TP=2.
+tokens; packing several samples into one micro-batch gives the same gradients and log-probs as one sample
+per micro-batch, at TP=1 and TP=2; and TP=2 with `compile_fusions` (compiled SwiGLU, residual add, RMSNorm and
+log-prob kernels, on CPU too) matches the eager single-process run.
 """
 
 from __future__ import annotations
@@ -76,7 +77,12 @@ def run_layout(path: str, layout: dict, micro: dict, overrides: dict) -> dict:
         steps.append(metrics)
     logp = engine.infer(JaggedBatch.from_sequences(data))["log_probs"]
     weights = {name: t.detach().cpu().numpy() for name, t in engine.export_weights()}
-    return {"steps": steps, "log_probs": logp.numpy(), "weights": weights if torch.distributed.get_rank() == 0 else {}}
+    return {
+        "steps": steps,
+        "log_probs": logp.numpy(),
+        "weights": weights if torch.distributed.get_rank() == 0 else {},
+        "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+    }
 
 
 def grads_of_packing(path: str, layout: dict) -> dict:
@@ -221,9 +227,11 @@ def test_world2_layouts_match_single_process(models, reference):
         ("dp2_distopt", d, {"use_distributed_optimizer": True}, {"micro_batch_size": 1}, {}),
         ("ep2", m, {"expert_model_parallel_size": 2}, DYNAMIC, MOE_OVERRIDES),
         ("packing_tp2", d, {"tensor_model_parallel_size": 2}, {}, {}),
+        ("tp2_compiled", d, {"tensor_model_parallel_size": 2, "compile_fusions": True}, DYNAMIC, {}),
     ]
     results = launch(run_many, 2, cases, timeout_s=900)
     check_all(results, reference, [c[0] for c in cases])
+    assert all(r["tp2_compiled"]["compiled_graphs"] > 0 for r in results)  # the compiled kernels really ran
 
 
 def check_all(results: list[dict], reference: dict, names: list[str]) -> None:

@@ -70,6 +70,9 @@ class MegatronEngine(BaseEngine):
         self.total_steps = total_steps
         self.seed = seed
         self.chunk_tokens = megatron.logprob_chunk_tokens
+        # megatron.compile_fusions resolved (None: on CUDA): compiled SwiGLU, residual add, RMSNorm, log-prob kernels
+        compile_fusions = megatron.compile_fusions
+        self.compiled_kernels = torch.cuda.is_available() if compile_fusions is None else compile_fusions
         self.bridge_backend = bridge_backend
         self.layout = ParallelLayout(
             tp=megatron.tensor_model_parallel_size,
@@ -107,9 +110,8 @@ class MegatronEngine(BaseEngine):
         initialize_model_parallel(self.layout, seed=self.seed)
         self.bridge = bridge_for(AutoConfig.from_pretrained(self.model_path), backend=self.bridge_backend)
         dtype = getattr(torch, self.cfg.params_dtype)
-        fused = torch.cuda.is_available() if self.cfg.compile_fusions is None else self.cfg.compile_fusions
         overrides = {
-            **fusion_fields(self.bridge.config_fields(), fused),
+            **fusion_fields(self.bridge.config_fields(), self.compiled_kernels),
             **self._recompute_fields(),
             **self.cfg.override_transformer_config,
         }
@@ -118,7 +120,7 @@ class MegatronEngine(BaseEngine):
         )
         self.tf_config = self.bridge.transformer_config(**fields)
         chunks = build_chunks(self.tf_config, self.bridge.model_kwargs())
-        compile_norms(chunks, fused)
+        compile_norms(chunks, self.compiled_kernels)
         self.bridge.load_hf(chunks, self.model_path)
         self._prepare_chunks(chunks)
         ddp_config = DistributedDataParallelConfig(
@@ -261,7 +263,7 @@ class MegatronEngine(BaseEngine):
             "labels": next_token_labels(mb.input_ids),
             "chunk_tokens": self.chunk_tokens,
             "keep_logits_bytes": int(self.cfg.logprob_keep_logits_gib * 2**30),
-            "compiled": self.cfg.compile_fusions,
+            "compiled": self.compiled_kernels,
         }
 
     def _token_outputs(self, mb: PackedMicroBatch, output: Any) -> dict[str, Tensor]:
