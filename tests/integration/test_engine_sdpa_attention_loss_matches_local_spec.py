@@ -38,16 +38,16 @@ def spec_losses(rank: int, world: int, path: str, dtype: str, lengths: list[int]
     try:
         initialize_model_parallel(ParallelLayout())
         bridge = bridge_for(AutoConfig.from_pretrained(path))
-        default = torch.cuda.is_available()
-        configs = [
-            bridge.transformer_config(
-                **runtime_config(ParallelLayout(), params_dtype=getattr(torch, dtype), **fusion_fields(
-                    bridge.config_fields(), on))
+        def config(compiled: bool):
+            fusions = fusion_fields(bridge.config_fields(), compiled)
+            return bridge.transformer_config(
+                **runtime_config(ParallelLayout(), params_dtype=getattr(torch, dtype), **fusions)
             )
-            for on in (default, default if fused is None else fused)
-        ]
-        local = build_model(configs[0], bridge.model_kwargs(), use_te=False)
-        ours = build_model(configs[1], bridge.model_kwargs(), spec=lambda cfg, vp: sdpa_layer_spec(cfg, vp_stage=vp))
+
+        default = torch.cuda.is_available()
+        local = build_model(config(default), bridge.model_kwargs(), use_te=False)
+        ours = build_model(config(default if fused is None else fused), bridge.model_kwargs(),
+                           spec=lambda cfg, vp: sdpa_layer_spec(cfg, vp_stage=vp))
         if fused is not None:
             compile_norms(ours, fused)
         for chunks in (local, ours):
