@@ -109,6 +109,14 @@ class MegatronConfig:
     compile_fusions: bool | None = None
     # Extra TransformerConfig fields passed through verbatim (for knobs without a named field here).
     override_transformer_config: dict[str, Any] = field(default_factory=dict)
+    # Hybrid mode: which training state leaves the device while the rollout engine generates (copied to pinned
+    # host memory and back; the caching allocator's blocks are released either way). Keep on the device what
+    # fits beside the engine's reservation: every offloaded byte crosses PCIe twice per step.
+    param_offload: bool = True
+    # Gradient buffers (main_grad, fp32), as param_offload.
+    grad_offload: bool = True
+    # Optimizer state (Adam moments and fp32 master weights, 12 bytes per parameter), as param_offload.
+    optimizer_offload: bool = True
 
 
 @dataclass
@@ -213,8 +221,29 @@ class RolloutConfig:
     top_p: float = 1.0
     # Top-k sampling (-1: off).
     top_k: int = -1
-    # Fraction of device memory the inference engine may take (weights + KV cache).
+    # Fraction of device memory the inference engine may take (weights + KV cache): vLLM gpu_memory_utilization,
+    # SGLang --mem-fraction-static, TensorRT-LLM kv_cache_config.free_gpu_memory_fraction (a share of the memory
+    # left after its weights). CPU engines size their KV cache by VLLM_CPU_KVCACHE_SPACE instead.
     gpu_memory_utilization: float = 0.5
+    # Engine dtype (float32, bfloat16, float16); None: actor.megatron.params_dtype, the dtype the sync sends.
+    dtype: str | None = None
+    # Reuse the KV cache of shared prompt prefixes (vLLM prefix caching, SGLang radix cache, TensorRT-LLM block
+    # reuse); the cache is cleared after every weight sync, so hits are within one version's requests.
+    enable_prefix_caching: bool = True
+    # Allocate the engine's memory from a pool that sleep can release (vLLM sleep mode, SGLang memory saver,
+    # TensorRT-LLM enable_sleep). None: on for engines on GPUs (on CPU there is nothing to release).
+    enable_sleep_mode: bool | None = None
+    # Sleep level of a hybrid replica while the trainer has the devices: 2 discards weights and KV cache (the
+    # weight sync that follows every step refills the weights: nothing is copied to the host); 1 keeps a host copy
+    # of the weights (for a wake-up that no full sync follows).
+    sleep_level: int = 2
+    # Sequences an engine runs at once (vLLM max_num_seqs, SGLang --max-running-requests, TensorRT-LLM
+    # max_batch_size); None: the engine's default (vLLM on CPU: 256).
+    max_num_seqs: int | None = None
+    # Tokens an engine step may schedule (vLLM max_num_batched_tokens, SGLang --chunked-prefill-size, TensorRT-LLM
+    # max_num_tokens); None: the engine's default (vLLM on CPU: max_num_seqs × context length, so that no prefill
+    # is chunked: vLLM-CPU's seeded sampling cannot rewind a chunked prefill's generator).
+    max_num_batched_tokens: int | None = None
     # Devices of a standalone rollout pool (separate_async).
     nnodes: int = 0
     # Device slots per node of the standalone rollout pool.
@@ -238,7 +267,8 @@ class RolloutConfig:
     max_turns: int = 4
     # Replicas to start (0: as many as the trainer's device slots hold, one per TP×DP×PP footprint).
     num_replicas: int = 0
-    # Extra engine arguments passed to the backend verbatim (e.g. vLLM's max_num_batched_tokens).
+    # Extra engine arguments passed to the backend verbatim (e.g. vLLM's swap_space); keys that a setting above
+    # fills are refused at start-up, naming the setting (rollout_adapters/fields.py).
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     # Times one generate call is retried on another (or the restarted) replica after its replica failed.
     max_request_retries: int = 3

@@ -64,9 +64,9 @@ def _get(cfg: DictConfig, path: str) -> Any:
     return OmegaConf.select(cfg, path)
 
 
-def _one_of(cfg: DictConfig, path: str, allowed: tuple[str, ...]) -> Iterator[Violation]:
+def _one_of(cfg: DictConfig, path: str, allowed: tuple[Any, ...]) -> Iterator[Violation]:
     if _get(cfg, path) not in allowed:
-        yield Violation(path, _get(cfg, path), f"must be one of {', '.join(allowed)}")
+        yield Violation(path, _get(cfg, path), f"must be one of {', '.join(map(str, allowed))}")
 
 
 def _at_least(cfg: DictConfig, path: str, low: float) -> Iterator[Violation]:
@@ -306,10 +306,12 @@ def _run_and_rollout_ranges(cfg: DictConfig, check_paths: bool) -> Iterator[Viol
     if not 0.0 < util <= 1.0:
         yield Violation("rollout.gpu_memory_utilization", util,
                         "the inference engine's memory budget (weights + KV cache) must be in (0, 1]")
-    for key in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
-        value = _get(cfg, "rollout.engine_kwargs").get(key)
+    for path in ("rollout.max_num_seqs", "rollout.max_num_batched_tokens"):
+        yield from _at_least(cfg, path, 1)
+    for path in ("rollout.engine_kwargs.kv_cache_memory_bytes",):
+        value = _get(cfg, "rollout.engine_kwargs").get(path.rpartition(".")[2])
         if value is not None and value <= 0:
-            yield Violation(f"rollout.engine_kwargs.{key}", value, "a KV-cache / batch budget must be > 0")
+            yield Violation(path, value, "a KV-cache / batch budget must be > 0")
     for path in ("reward.num_workers", "rollout.max_turns"):
         yield from _at_least(cfg, path, 1)
     for path in ("reward.timeout_s", "weight_sync.timeout_s"):
@@ -466,3 +468,18 @@ def _separate_async(cfg: DictConfig) -> Iterator[Violation]:
                         f"trainer.mode=separate_async needs data.train_batch_size ({batch}) == "
                         f"parameter_sync_step × actor.ppo_mini_batch_size ({sync_step} × {mini}), so that "
                         "each step's updates end with one weight sync")
+
+
+@rule
+def _rollout_engine_settings(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
+    from rollout_adapters.fields import shadowed_settings
+
+    r = _get(cfg, "rollout")
+    engine_kwargs = OmegaConf.to_container(r.engine_kwargs, resolve=True)
+    for key, setting in shadowed_settings(r.name, engine_kwargs):  # type: ignore[arg-type]
+        value = engine_kwargs.get(key, "(in extra_args)")  # type: ignore[union-attr]
+        yield Violation(f"rollout.engine_kwargs.{key}", value,
+                        f"{setting} fills this engine argument: set that instead")
+    if r.dtype is not None:
+        yield from _one_of(cfg, "rollout.dtype", ("float32", "bfloat16", "float16"))
+    yield from _one_of(cfg, "rollout.sleep_level", (1, 2))

@@ -77,6 +77,13 @@ class ReplicaSpec:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     # No CUDA graphs / compilation (rollout.enforce_eager); None leaves the backend's device default.
     enforce_eager: bool | None = None
+    # The engine settings of rollout.* (schema.py says what each means and rollout_adapters/fields.py which
+    # engine argument it fills); None leaves the engine's default.
+    gpu_memory_utilization: float | None = None
+    enable_prefix_caching: bool = True
+    enable_sleep_mode: bool | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     # Extra environment of the server process. Ray sets OMP_NUM_THREADS to the actor's CPU share (1 here), which
     # caps a CPU engine's compute threads; set it to the device slot's cores where the engine should use them.
     env: dict[str, str] = field(default_factory=dict)
@@ -90,9 +97,7 @@ class ReplicaSpec:
 
     def adapter_kwargs(self) -> dict[str, Any]:
         engine_kwargs = dict(self.engine_kwargs)
-        if self.footprint.dp > 1:
-            engine_kwargs.setdefault("data_parallel_size", self.footprint.dp)
-        if self.footprint.devices > 1:
+        if self.footprint.devices > 1 and self.backend == "vllm":
             # Multi-device engines start their workers as Ray tasks inside the replica's placement group.
             engine_kwargs.setdefault("distributed_executor_backend", "ray")
         return {
@@ -101,6 +106,12 @@ class ReplicaSpec:
             "seed": self.seed,
             "tensor_parallel_size": self.footprint.tp,
             "pipeline_parallel_size": self.footprint.pp,
+            "data_parallel_size": self.footprint.dp,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "enable_sleep_mode": self.enable_sleep_mode,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
             "engine_kwargs": engine_kwargs,
             "enforce_eager": self.enforce_eager,
             "host": self.host,

@@ -32,7 +32,9 @@ MISMATCH_BOUND = 1.05  # DESIGN.md: logprob_mismatch stays <= 1.05 in bf16
 REWARD, LENGTH, MISMATCH, STEP_TIME = "reward/mean", "response_length/mean", "rollout/logprob_mismatch", "timing_s/step"
 THROUGHPUT, MFU = "perf/tokens_per_s_per_gpu", "perf/mfu"
 # Stages timed inside another stage (the trainer scores rewards while it samples): their parent's bar excludes them.
-NESTED_STAGES = {"timing_s/reward": "timing_s/gen"}
+NESTED_STAGES = {"timing_s/reward": "timing_s/gen",
+                 **{f"timing_s/sync/{part}": "timing_s/update_weights"
+                    for part in ("wake_weights", "update", "offload", "wake_kv_cache")}}
 
 
 def metrics_file(run: str | Path) -> Path:

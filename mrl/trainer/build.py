@@ -30,23 +30,20 @@ def typed(cfg: DictConfig | MrlConfig) -> MrlConfig:
 
 def rollout_spec(c: MrlConfig) -> ReplicaSpec:
     r = c.rollout
-    max_model_len = c.data.max_prompt_length + c.data.max_response_length
-    engine_kwargs = dict(r.engine_kwargs)
-    if r.name == "vllm" and not torch.cuda.is_available():
-        # After a chunked prefill vLLM rewinds the request's seeded generator (set_offset), which a CPU
-        # torch.Generator refuses ("CPU Generator does not use offset": the engine dies). A token budget that
-        # holds every running sequence's whole context means prefills are never chunked.
-        engine_kwargs.setdefault("max_num_seqs", 256)
-        engine_kwargs.setdefault("max_num_batched_tokens", engine_kwargs["max_num_seqs"] * max_model_len)
     return ReplicaSpec(
         backend=r.name,
         model_path=c.model.path,
         footprint=Footprint(r.tensor_model_parallel_size, r.data_parallel_size, r.pipeline_model_parallel_size),
-        max_model_len=max_model_len,
-        dtype=c.actor.megatron.params_dtype,
+        max_model_len=c.data.max_prompt_length + c.data.max_response_length,
+        dtype=r.dtype or c.actor.megatron.params_dtype,
         seed=c.trainer.seed,
-        engine_kwargs=engine_kwargs,
+        engine_kwargs=dict(r.engine_kwargs),
         enforce_eager=r.enforce_eager,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        enable_prefix_caching=r.enable_prefix_caching,
+        enable_sleep_mode=r.enable_sleep_mode,
+        max_num_seqs=r.max_num_seqs,
+        max_num_batched_tokens=r.max_num_batched_tokens,
         env=engine_env(c, torch.cuda.is_available()),
         host=r.server_host,
         allow_remote_access=r.allow_remote_access,

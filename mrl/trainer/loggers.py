@@ -94,7 +94,8 @@ class ConsoleLogger:
     )
     STAGES = (
         ("gen", "gen"), ("old_log_prob", "old_lp"), ("ref", "ref"), ("values", "values"), ("adv", "adv"),
-        ("update_critic", "critic"), ("update_actor", "actor"), ("update_weights", "sync"), ("validate", "val"),
+        ("update_critic", "critic"), ("update_actor", "actor"), ("update_weights", "sync"), ("handover/sleep", "sleep"),
+        ("handover/onload", "onload"), ("validate", "val"),
     )
     BAR_WIDTH = 20
 

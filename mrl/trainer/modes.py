@@ -94,10 +94,10 @@ class AsyncTrainer(PPOTrainer):
 class ColocateAsyncTrainer(AsyncTrainer):
     def on_sample_end(self) -> None:
         # Partial rollout: abort what still generates (it resumes after the sync), then lend the devices.
-        self.step_extra["partial_rollout/aborted_requests"] = float(sum(self.parts.rollout.abort_all()))
+        with self.timer("handover/abort"):
+            self.step_extra["partial_rollout/aborted_requests"] = float(sum(self.parts.rollout.abort_all()))
         if self.sleeps_rollout:  # else (rollout.free_cache_engine=false) the paused replicas keep their memory
-            self.parts.rollout.sleep(level=2)
-            self.parts.actor_rollout.onload()
+            self.give_devices_to_trainer()
 
     def sync_weights(self) -> None:
         super().sync_weights()  # hybrid: wake weights, update, offload the actor, wake the KV cache

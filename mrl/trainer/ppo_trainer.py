@@ -84,10 +84,12 @@ class PPOTrainer:
         self.kl_ctrl: KLController | None = make_kl_controller(KLControlConfig(
             a.kl_ctrl_type, a.kl_coef, a.kl_target, a.kl_horizon)) if a.use_kl_in_reward else None
         self.kl_metrics: dict[str, float] = {}
+        self.handover_memory: dict[str, float] = {}  # device memory at each hybrid hand-over (GiB in use)
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def fit(self) -> list[dict[str, Any]]:
-        self.resume()
+        if self.resume() is None and self.sleeps_rollout:
+            self.give_devices_to_rollout()  # the first generation runs beside no training state
         if self.config.trainer.val_before_train and self.parts.val_data is not None:
             self.logger.log(0, self.validate())
         while self.global_steps < self.config.trainer.total_training_steps:
@@ -101,7 +103,7 @@ class PPOTrainer:
         with t("gen"):
             self.on_sample_begin()
             trajectories = self.sample()  # stage 1 + 2: rollout, then reward (timed inside as "reward")
-            self.on_sample_end()
+        self.on_sample_end()  # hybrid: the devices go to the trainer (timed as handover/*)
         batch = self.to_training_batch(trajectories)  # store keys + scalar columns
         with t("balance"):
             batch = self.balance(batch)
@@ -133,6 +135,7 @@ class PPOTrainer:
         with t("update_weights"):
             self.sync_weights()
         metrics = self.step_metrics(trajectories, actor_out, mismatch)
+        metrics.update(self.take_handover_memory())
         if self.parts.critic is not None:
             metrics.update(mean_over_updates(critic_out))
         if c.trainer.test_freq > 0 and self.global_steps % c.trainer.test_freq == 0 and self.parts.val_data:
@@ -152,19 +155,52 @@ class PPOTrainer:
         # Sync mode stays on-policy: surplus groups from dynamic-sampling refills are not kept for the next step.
         self.buffer.clear()
         if self.sleeps_rollout:
-            self.parts.rollout.sleep(level=2)  # the trainer gets the devices; weights come back with the sync
-            self.parts.actor_rollout.onload()
+            self.give_devices_to_trainer()
 
     def sync_weights(self) -> None:
         asleep = self.sleeps_rollout
         if self.updates_all_skipped and not asleep:
             return  # the actor did not change: replicas keep the last good weights and their version
+        t = self.timer
         if asleep:
-            self.parts.rollout.wake_up(["weights"])
-        self.parts.actor_rollout.update_weights(self.global_steps)
+            with t("sync/wake_weights"):
+                self.parts.rollout.wake_up(["weights"])
+        with t("sync/update"):  # export, transfer and load, pipelined bucket by bucket
+            self.parts.actor_rollout.update_weights(self.global_steps)
         if asleep:  # the export needed the actor's weights on the device; now the rollout gets the memory back
-            self.parts.actor_rollout.offload()
+            self.give_devices_to_rollout()
+
+    # ---- hybrid hand-over: the devices alternate between the rollout engines and the training roles ----------------
+    def give_devices_to_trainer(self) -> None:
+        """The replicas sleep, then the training roles bring back what they offloaded. Level 2 (the default,
+        rollout.sleep_level) discards the engine's weights, since the sync after the step refills them anyway."""
+        with self.timer("handover/sleep"):
+            self.parts.rollout.sleep(level=self.config.rollout.sleep_level)
+        with self.timer("handover/onload"):
+            self.note_handover("rollout_asleep", "trainer_onloaded", "onload")
+
+    def give_devices_to_rollout(self) -> None:
+        """The training roles offload (and free the allocator's cache), then the engines' KV cache wakes."""
+        with self.timer("sync/offload"):
+            self.note_handover("trainer_resident", "trainer_offloaded", "offload")
+        with self.timer("sync/wake_kv_cache"):
             self.parts.rollout.wake_up(["kv_cache"])
+        awake = self.parts.actor_rollout.device_memory()
+        self.handover_memory["rollout_awake"] = max(m.get("used", 0.0) for m in awake)
+
+    def note_handover(self, before: str, after: str, method: str) -> None:
+        """Call `method` (offload/onload) on every training group; keep the device memory (GiB in use, the most
+        loaded device) before and after it."""
+        groups = [g for g in (self.parts.actor_rollout, self.parts.critic) if g is not None]
+        reports = [report for g in groups for report in getattr(g, method)()]
+        for point, key in ((before, "before"), (after, "after")):
+            self.handover_memory[point] = max(r[key].get("used", 0.0) for r in reports)
+
+    def take_handover_memory(self) -> dict[str, float]:
+        """`memory/handover/<point>_used_gib` since the last step (nothing on CPU hosts)."""
+        out = {f"memory/handover/{k}_used_gib": v for k, v in self.handover_memory.items() if v > 0}
+        self.handover_memory = {}
+        return out
 
     def on_step_end(self, metrics: dict[str, Any]) -> None:
         return None
@@ -287,8 +323,7 @@ class PPOTrainer:
             return None
         self.load_checkpoint(path)
         if self.sleeps_rollout:  # as after a step: the trainer holds the devices, rollout sleeps
-            self.parts.rollout.sleep(level=2)
-            self.parts.actor_rollout.onload()
+            self.give_devices_to_trainer()
         self.sync_weights()
         print(f"[mrl] resumed from {path} at global step {self.global_steps}", flush=True)
         return path

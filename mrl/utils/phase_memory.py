@@ -10,6 +10,7 @@ few microseconds per phase, so every call of a tracked method measures.
 from __future__ import annotations
 
 import functools
+import gc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -83,3 +84,22 @@ def tracks_memory(phase: str) -> Callable[[F], F]:
         return wrapper  # type: ignore[return-value]
 
     return decorate
+
+
+def device_memory() -> dict[str, float]:
+    """This device's memory in GiB: `used` by every process on it (the rollout engine beside the trainer too, as
+    the driver reports it), this process's allocator `reserved` and `allocated`; {} on a CPU-only host."""
+    if not torch.cuda.is_available():
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    return {"used": (total - free) / 2**30, "total": total / 2**30,
+            "reserved": torch.cuda.memory_reserved() / 2**30, "allocated": torch.cuda.memory_allocated() / 2**30}
+
+
+def release_cached_blocks() -> None:
+    """Give the caching allocator's free blocks back to the device, so another process (the rollout engine, whose
+    own allocator cannot see them) can have them. Freed tensors whose last reference sits in a cycle are collected
+    first."""
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -31,7 +31,13 @@ from mrl.data.samples import write_back
 from mrl.utils.phase_memory import phase_memory, tracks_memory
 from mrl.workers.cpu_threads import worker_threads
 from mrl.workers.token_level import rank_mismatch, token_advantages, token_level_advantages
-from mrl.workers.training_worker import StoreClient, TrainingWorker, jagged_from_flat, to_engine_batch
+from mrl.workers.training_worker import (
+    DeviceHandover,
+    StoreClient,
+    TrainingWorker,
+    jagged_from_flat,
+    to_engine_batch,
+)
 
 ACTOR_MESH = "actor"
 POLICY_LOSS_NAMES = {"ppo_clip": "vanilla"}  # config name → algorithm library name (others pass through)
@@ -71,7 +77,7 @@ def make_actor_loss_fn(config: ActorLossConfig, on_policy: bool = False) -> Any:
     return loss_fn
 
 
-class ActorRolloutRefWorker(StoreClient, Worker):
+class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
     def __init__(self, config: MrlConfig, with_ref: bool = False) -> None:
         super().__init__()
         torch.set_num_threads(worker_threads(config, torch.cuda.is_available()))  # mrl/workers/cpu_threads.py
@@ -229,17 +235,9 @@ class ActorRolloutRefWorker(StoreClient, Worker):
         """Peak memory of each tracked phase since the last call (mrl/utils/phase_memory.py)."""
         return phase_memory(self).take()
 
-    @register(Dispatch.ONE_TO_ALL)
-    def offload(self) -> None:
-        for role in (self.actor, self.ref):
-            if role is not None:
-                role.offload()
-
-    @register(Dispatch.ONE_TO_ALL)
-    def onload(self) -> None:
-        for role in (self.actor, self.ref):
-            if role is not None:
-                role.onload()
+    def training_roles(self) -> list[tuple[TrainingWorker, Any]]:
+        roles = [(self.actor, self.config.actor.megatron), (self.ref, self.config.ref.megatron)]
+        return [(role, m) for role, m in roles if role is not None]
 
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:

@@ -22,7 +22,7 @@ from mrl.engine.megatron.engine import MegatronEngine
 from mrl.engine.megatron.packing import PackedMicroBatch, shift_to_tokens
 from mrl.utils.phase_memory import phase_memory, tracks_memory
 from mrl.workers.cpu_threads import worker_threads
-from mrl.workers.training_worker import StoreClient, TrainingWorker, jagged_from_flat, to_engine_batch
+from mrl.workers.training_worker import DeviceHandover, StoreClient, TrainingWorker, jagged_from_flat, to_engine_batch
 
 CRITIC_MESH = "critic"
 VALUE_ROW = 0
@@ -68,7 +68,7 @@ def make_value_loss_fn(cliprange_value: float, loss_agg_mode: str) -> Any:
     return loss_fn
 
 
-class CriticWorker(StoreClient, Worker):
+class CriticWorker(StoreClient, DeviceHandover, Worker):
     """Like the actor's roles, it fetches its rows by key from the sample store and writes `values` back there."""
 
     def __init__(self, config: MrlConfig) -> None:
@@ -113,6 +113,9 @@ class CriticWorker(StoreClient, Worker):
         before = self.critic.updates
         steps = self.critic.train_batch(to_engine_batch(batch, keys), self.loss_fn, num_updates)
         return {"updates": self.critic.updates - before, "steps": steps}
+
+    def training_roles(self) -> list[tuple[TrainingWorker, Any]]:
+        return [(self.critic, self.config.critic.megatron)] if self.critic is not None else []
 
     @register(Dispatch.ONE_TO_ALL)
     def memory_stats(self) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from mrl.data.batch import Batch
 from mrl.data.jagged import JaggedTensor
 from mrl.data.samples import fetch, write_back
 from mrl.engine.base import BaseEngine, LossFn
+from mrl.utils.phase_memory import device_memory, release_cached_blocks
 
 
 def to_engine_batch(batch: Batch, token_keys: list[str]) -> Any:
@@ -62,6 +63,37 @@ class StoreClient:
         return out
 
 
+class DeviceHandover:
+    """Hybrid mode's hand-over of a device between the training roles of a worker and the rollout engine beside
+    them: `offload` before the engine wakes, `onload` after it sleeps. Each role moves the state its
+    `megatron.*_offload` settings name, and the allocator's cached blocks (activations, freed buffers) go back to
+    the device either way: the engine's allocator cannot reuse them. Both return the device's memory before and
+    after (mrl/utils/phase_memory.py `device_memory`), which the trainer logs as `memory/handover/*`."""
+
+    def training_roles(self) -> list[tuple[TrainingWorker, Any]]:
+        """(role, its MegatronConfig) of every engine this worker holds."""
+        raise NotImplementedError
+
+    @register(Dispatch.ONE_TO_ALL)
+    def offload(self) -> dict[str, dict[str, float]]:
+        before = device_memory()
+        for role, m in self.training_roles():
+            role.offload(params=m.param_offload, grads=m.grad_offload, optimizer=m.optimizer_offload)
+        release_cached_blocks()
+        return {"before": before, "after": device_memory()}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def onload(self) -> dict[str, dict[str, float]]:
+        before = device_memory()
+        for role, _ in self.training_roles():
+            role.onload()
+        return {"before": before, "after": device_memory()}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def device_memory(self) -> dict[str, float]:
+        return device_memory()
+
+
 class TrainingWorker:
     def __init__(self, engine: BaseEngine) -> None:
         self.engine = engine
@@ -86,10 +118,10 @@ class TrainingWorker:
     def infer_batch(self, batch: Any, entropy: bool = False) -> dict[str, Tensor]:
         return self.engine.infer(batch, entropy=entropy)
 
-    def offload(self) -> None:
+    def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
         """Free the accelerator for another phase (rollout in hybrid mode); nothing to free on a CPU-only host."""
         if torch.cuda.is_available():
-            self.engine.to("cpu")
+            self.engine.to("cpu", params=params, grads=grads, optimizer=optimizer)
 
     def onload(self) -> None:
         if torch.cuda.is_available():

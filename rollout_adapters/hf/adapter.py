@@ -44,6 +44,14 @@ def sample_token(logits: torch.Tensor, params: dict[str, Any], generator: torch.
     return token, float(raw[token])
 
 
+# Replica-spec settings a one-request-at-a-time transformers loop has no counterpart for: no memory pool, prefix
+# cache, batching, graphs or listening address; sampling seeds come per request.
+NOT_APPLICABLE = frozenset({
+    "seed", "pipeline_parallel_size", "data_parallel_size", "gpu_memory_utilization", "enable_prefix_caching",
+    "enable_sleep_mode", "max_num_seqs", "max_num_batched_tokens", "enforce_eager", "host", "allow_remote_access",
+})
+
+
 class HFAdapter(RolloutAdapter):
     backend = "hf"
 
@@ -55,12 +63,18 @@ class HFAdapter(RolloutAdapter):
         dtype: str = "float32",
         num_threads: int | None = 1,
         tensor_parallel_size: int = 1,
-        **unused: Any,
+        engine_kwargs: dict[str, Any] | None = None,
+        **engine_settings: Any,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
         if tensor_parallel_size != 1:
             raise ValueError(f"rollout.tensor_model_parallel_size={tensor_parallel_size}: the hf backend runs TP=1")
+        unknown = set(engine_settings) - NOT_APPLICABLE
+        if unknown:
+            raise TypeError(f"HFAdapter got unexpected settings {sorted(unknown)}")
+        if engine_kwargs:
+            raise ValueError(f"rollout.engine_kwargs={dict(engine_kwargs)}: the hf backend has no engine arguments")
         super().__init__(max_model_len)
         if num_threads:
             torch.set_num_threads(num_threads)

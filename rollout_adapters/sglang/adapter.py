@@ -28,6 +28,7 @@ import torch
 
 from rollout_adapters.base import RolloutAdapter, StopReason
 from rollout_adapters.buckets import unpack_bucket
+from rollout_adapters.fields import refuse_shadowing
 from rollout_adapters.network import LOOPBACK, require_loopback, url_host
 from rollout_adapters.sglang import protocol
 
@@ -51,7 +52,13 @@ class SGLangAdapter(RolloutAdapter):
         dtype: str = "auto",
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        data_parallel_size: int = 1,
         seed: int = 0,
+        gpu_memory_utilization: float | None = None,
+        enable_prefix_caching: bool = True,
+        enable_sleep_mode: bool | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
         engine_kwargs: dict[str, Any] | None = None,
         base_url: str | None = None,
         weights_cpu_backup: bool = False,
@@ -59,7 +66,6 @@ class SGLangAdapter(RolloutAdapter):
         host: str = LOOPBACK,
         allow_remote_access: bool = False,
         enforce_eager: bool | None = None,
-        **unused: Any,
     ) -> None:
         if pipeline_parallel_size != 1:
             raise ValueError(f"rollout.pipeline_model_parallel_size={pipeline_parallel_size}: the sglang adapter "
@@ -69,28 +75,30 @@ class SGLangAdapter(RolloutAdapter):
         self.tp_size = tensor_parallel_size
         self.weights_cpu_backup = weights_cpu_backup
         extra = dict(engine_kwargs or {})
+        refuse_shadowing(self.backend, extra)
         self.extra_args: list[str] = list(extra.pop("extra_args", ()))
-        if any(arg == "--host" or arg.startswith("--host=") for arg in self.extra_args):
-            raise ValueError("engine_kwargs.extra_args sets --host: set the server's address with rollout.server_host "
-                             "(loopback unless rollout.allow_remote_access=true)")
         require_loopback(host, "rollout.server_host", allow_remote_access)
         if base_url is not None:
             require_loopback(url_host(base_url), "the sglang server's base_url host", allow_remote_access)
         self.host = host
         self.launch = dict(
             tp_size=tensor_parallel_size,
-            dp_size=int(extra.pop("data_parallel_size", 1)),
+            dp_size=data_parallel_size,
             dtype=dtype,
             context_length=max_model_len,
             seed=seed,
-            mem_fraction_static=extra.pop("mem_fraction_static", None),
+            mem_fraction_static=gpu_memory_utilization,
             weights_cpu_backup=weights_cpu_backup,
             disable_cuda_graph=bool(enforce_eager),
+            disable_radix_cache=not enable_prefix_caching,
+            # The memory saver is what sleep/wake release; a replica that never sleeps can go without it.
+            enable_memory_saver=enable_sleep_mode is not False,
+            max_running_requests=max_num_seqs,
+            chunked_prefill_size=max_num_batched_tokens,
         )
-        extra.pop("distributed_executor_backend", None)  # a vLLM knob the replica spec adds for multi-device engines
         if extra:
-            raise ValueError(f"unknown sglang engine_kwargs {sorted(extra)}; known: extra_args, data_parallel_size, "
-                             "mem_fraction_static")
+            raise ValueError(f"unknown sglang engine_kwargs {sorted(extra)}: pass other server flags as "
+                             "engine_kwargs.extra_args")
         self.base_url = base_url
         self.start_timeout_s = start_timeout_s
         self.process: subprocess.Popen | None = None

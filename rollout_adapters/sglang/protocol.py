@@ -243,6 +243,10 @@ def server_command(
     mem_fraction_static: float | None = None,
     weights_cpu_backup: bool = False,
     disable_cuda_graph: bool = False,
+    disable_radix_cache: bool = False,
+    enable_memory_saver: bool = True,
+    max_running_requests: int | None = None,
+    chunked_prefill_size: int | None = None,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
     """argv of `python -m sglang.launch_server` for one replica.
@@ -261,14 +265,12 @@ def server_command(
         "--dtype", dtype,
         "--random-seed", str(seed),
         "--skip-tokenizer-init",
-        "--enable-memory-saver",
     ]
-    if context_length is not None:
-        argv += ["--context-length", str(context_length)]
-    if mem_fraction_static is not None:
-        argv += ["--mem-fraction-static", str(mem_fraction_static)]
-    if weights_cpu_backup:
-        argv.append("--enable-weights-cpu-backup")
-    if disable_cuda_graph:
-        argv.append("--disable-cuda-graph")
-    return argv + list(extra_args)
+    valued = {"--context-length": context_length, "--mem-fraction-static": mem_fraction_static,
+              "--max-running-requests": max_running_requests, "--chunked-prefill-size": chunked_prefill_size}
+    for flag, value in valued.items():
+        if value is not None:
+            argv += [flag, str(value)]
+    switches = {"--enable-memory-saver": enable_memory_saver, "--enable-weights-cpu-backup": weights_cpu_backup,
+                "--disable-cuda-graph": disable_cuda_graph, "--disable-radix-cache": disable_radix_cache}
+    return argv + [flag for flag, on in switches.items() if on] + list(extra_args)

@@ -21,6 +21,7 @@ import torch
 
 from rollout_adapters.base import RolloutAdapter, StopReason
 from rollout_adapters.buckets import unpack_bucket
+from rollout_adapters.fields import refuse_shadowing
 from rollout_adapters.trtllm import protocol
 
 
@@ -37,16 +38,30 @@ class TRTLLMAdapter(RolloutAdapter):
         dtype: str = "auto",
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        data_parallel_size: int = 1,
         seed: int = 0,
+        gpu_memory_utilization: float | None = None,
+        enable_prefix_caching: bool = True,
+        enable_sleep_mode: bool | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
         engine_kwargs: dict[str, Any] | None = None,
         enforce_eager: bool | None = None,
-        **unused: Any,
+        host: str = "127.0.0.1",
+        allow_remote_access: bool = False,
     ) -> None:
+        if data_parallel_size != 1:
+            raise ValueError(f"rollout.data_parallel_size={data_parallel_size}: the trtllm adapter runs one engine "
+                             "per replica (scale with more replicas)")
         super().__init__(max_model_len)
         extra = dict(engine_kwargs or {})
-        extra.pop("distributed_executor_backend", None)  # vLLM's knob; TensorRT-LLM's AsyncLLM always uses Ray
+        refuse_shadowing(self.backend, extra)
+        kv_cache = {"enable_block_reuse": enable_prefix_caching}
+        if gpu_memory_utilization is not None:
+            kv_cache["free_gpu_memory_fraction"] = gpu_memory_utilization
+        settings = {"max_batch_size": max_num_seqs, "max_num_tokens": max_num_batched_tokens}
         if enforce_eager:
-            extra.setdefault("cuda_graph_config", None)  # TorchLlmArgs: None turns decode CUDA graphs off
+            settings["cuda_graph_config"] = None  # TorchLlmArgs: None turns decode CUDA graphs off
         self.llm_kwargs = dict(
             model=model_path,
             backend="pytorch",
@@ -54,7 +69,10 @@ class TRTLLMAdapter(RolloutAdapter):
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
             max_seq_len=max_model_len,
-            enable_sleep=True,
+            kv_cache_config=kv_cache,
+            # sleep/wake release tagged memory only when the engine was built for it
+            enable_sleep=enable_sleep_mode is not False,
+            **{k: v for k, v in settings.items() if v is not None or k == "cuda_graph_config"},
             **extra,
         )
         self.seed = seed

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from rollout_adapters.base import RolloutAdapter, StopReason
+from rollout_adapters.fields import refuse_shadowing
 
 WORKER_EXTENSION = "rollout_adapters.vllm.worker_extension.WeightReceiverExtension"
 UNIPROC_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
@@ -55,19 +56,27 @@ class VLLMAdapter(RolloutAdapter):
         dtype: str = "float32",
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        data_parallel_size: int = 1,
         seed: int = 0,
+        gpu_memory_utilization: float | None = None,
+        enable_prefix_caching: bool = True,
         enable_sleep_mode: bool | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
         engine_kwargs: dict[str, Any] | None = None,
         enforce_eager: bool | None = None,
-        **unused: Any,
+        host: str = "127.0.0.1",
+        allow_remote_access: bool = False,
     ) -> None:
         super().__init__(max_model_len)
         import torch
 
+        on_gpu = torch.cuda.is_available()
         # Sleep mode needs vLLM's CUDA memory pool; on CPU sleep/wake are no-ops and only the state is tracked.
-        self.sleep_mode = torch.cuda.is_available() if enable_sleep_mode is None else enable_sleep_mode
+        self.sleep_mode = on_gpu if enable_sleep_mode is None else enable_sleep_mode
         engine_kwargs = dict(engine_kwargs or {})
-        single_cpu_device = tensor_parallel_size * pipeline_parallel_size == 1 and not torch.cuda.is_available()
+        refuse_shadowing(self.backend, engine_kwargs)
+        single_cpu_device = tensor_parallel_size * pipeline_parallel_size * data_parallel_size == 1 and not on_gpu
         if single_cpu_device and "kv_transfer_config" not in engine_kwargs:
             # vLLM-CPU replaces a one-device engine's in-process executor by its multiprocess one, whose engine
             # core spins on the worker's reply (sched_yield loop) through every step and for a second after:
@@ -76,20 +85,32 @@ class VLLMAdapter(RolloutAdapter):
             # threads (OMP_NUM_THREADS of the server, see mrl/workers/cpu_threads.py). Measured, 50M bf16 model,
             # 128 x 128 tokens on 2 cores: 15.1 s -> 9.5 s. PD members keep vLLM's default (NIXL's core reserve).
             engine_kwargs.setdefault("distributed_executor_backend", UNIPROC_EXECUTOR)
-        # Default: CUDA graphs on GPUs; eager on CPU, where compiling costs more per start than it saves in a test.
-        if enforce_eager is None:
-            enforce_eager = not torch.cuda.is_available()
-        engine_kwargs.setdefault("enforce_eager", enforce_eager)
+        if not on_gpu:
+            # After a chunked prefill vLLM rewinds the request's seeded generator (set_offset), which a CPU
+            # torch.Generator refuses ("CPU Generator does not use offset": the engine dies). A token budget that
+            # holds every running sequence's whole context means prefills are never chunked.
+            max_num_seqs = max_num_seqs or 256
+            max_num_batched_tokens = max_num_batched_tokens or max_num_seqs * max_model_len
+        # Every named setting (rollout_adapters/fields.py); None leaves vLLM's own default.
+        settings = dict(
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            # Default: CUDA graphs on GPUs; eager on CPU, where compiling costs more per start than it saves.
+            enforce_eager=not on_gpu if enforce_eager is None else enforce_eager,
+        )
         self.engine_args = dict(
             model=model_path,
             dtype=dtype,
             max_model_len=max_model_len,
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size,
             seed=seed,
-            enable_prefix_caching=True,
+            enable_prefix_caching=enable_prefix_caching,
             enable_sleep_mode=self.sleep_mode,
             worker_extension_cls=WORKER_EXTENSION,
+            **{k: v for k, v in settings.items() if v is not None},
             **engine_kwargs,
         )
         self.engine = None

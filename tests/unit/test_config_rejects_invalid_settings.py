@@ -99,8 +99,9 @@ INVALID = [
      ">= 0"),  # the async modes' own table: tests/unit/test_config_async_modes_reject_each_violation.py
     (["rollout.num_replicas=2"], "rollout.num_replicas", "exceed the trainer's 1 device slots"),
     (["rollout.gpu_memory_utilization=0"], "rollout.gpu_memory_utilization", "must be in (0, 1]"),
-    (["+rollout.engine_kwargs.max_num_batched_tokens=0"], "rollout.engine_kwargs.max_num_batched_tokens",
-     "budget must be > 0"),
+    (["rollout.max_num_batched_tokens=0"], "rollout.max_num_batched_tokens", "must be >= 1"),
+    (["+rollout.engine_kwargs.max_num_batched_tokens=64"], "rollout.engine_kwargs.max_num_batched_tokens",
+     "rollout.max_num_batched_tokens fills this engine argument"),
     (["rollout.top_p=0"], "rollout.top_p", "must be in (0, 1]"),
     (["rollout.top_k=0"], "rollout.top_k", "-1 (disabled)"),
     (["rollout.temperature=-1"], "rollout.temperature", ">= 0"),

@@ -63,7 +63,7 @@ def test_sglang_launch_binds_loopback_and_refuses_other_addresses():
         SGLangAdapter("/m", host="0.0.0.0")
     assert SGLangAdapter("/m", host="0.0.0.0", allow_remote_access=True).host == "0.0.0.0"
     for extra in (["--host", "0.0.0.0"], ["--host=0.0.0.0"]):
-        with pytest.raises(ValueError, match="extra_args sets --host"):
+        with pytest.raises(ValueError, match=r"engine_kwargs\.host: set rollout\.server_host"):
             SGLangAdapter("/m", engine_kwargs={"extra_args": extra}, allow_remote_access=True)
     with pytest.raises(ValueError, match=re.escape("base_url host='10.1.2.3'")):
         SGLangAdapter("/m", base_url="http://10.1.2.3:30000")

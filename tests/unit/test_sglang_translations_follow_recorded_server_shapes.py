@@ -177,7 +177,7 @@ def test_adapter_refuses_layouts_and_level_one_sleep_without_backup():
         SGLangAdapter("/m", pipeline_parallel_size=2)
     with pytest.raises(ValueError, match="unknown sglang engine_kwargs"):
         SGLangAdapter("/m", engine_kwargs={"gpu_memory_utilization": 0.5})
-    adapter = SGLangAdapter("/m", tensor_parallel_size=2, engine_kwargs={"distributed_executor_backend": "ray"})
+    adapter = SGLangAdapter("/m", tensor_parallel_size=2)
     assert adapter.launch["tp_size"] == 2
     import asyncio
 
