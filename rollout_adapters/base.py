@@ -268,6 +268,11 @@ class RolloutAdapter(ABC):
         """Create the engine (inside the server's event loop: async engines need one)."""
         return None
 
+    async def read_weights(self) -> dict[str, torch.Tensor]:
+        """The engine's parameters as host tensors in the engine's own names (TP rank 0's shard), for checks that
+        a sync delivered exactly the export; backends without a way to read them raise."""
+        raise NotImplementedError(f"the {self.backend!r} backend cannot read its weights back")
+
     async def shutdown(self) -> None:
         return None
 

@@ -221,6 +221,9 @@ class RolloutConfig:
     top_p: float = 1.0
     # Top-k sampling (-1: off).
     top_k: int = -1
+    # Generate data.max_response_length tokens whatever the model samples (EOS does not stop a response): fixed
+    # lengths for benchmarks; training runs leave it off.
+    ignore_eos: bool = False
     # Fraction of device memory the inference engine may take (weights + KV cache): vLLM gpu_memory_utilization,
     # SGLang --mem-fraction-static, TensorRT-LLM kv_cache_config.free_gpu_memory_fraction (a share of the memory
     # left after its weights). CPU engines size their KV cache by VLLM_CPU_KVCACHE_SPACE instead.

@@ -116,6 +116,15 @@ _COMMON = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
 
+# Published Qwen2.5 shapes (GQA, q/k/v biases, tied embeddings below 3B), for GPU tests and benchmarks with random
+# weights: `make_tiny_hf_model("qwen2", out, **QWEN2_5_SHAPES["1.5b"])`.
+QWEN2_5_SHAPES: dict[str, dict] = {
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768),
+}
+
 _FAMILY_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict]] = {
     "llama": (LlamaConfig, dict(head_dim=32, attention_bias=False, mlp_bias=False)),
     # Qwen2 attention always has q/k/v biases (hard-coded in the model).

@@ -372,6 +372,10 @@ class LLMServerManager:
             self._kept_sender = (serves, sender)
         return sender
 
+    def read_weights(self) -> list[dict[str, torch.Tensor]]:
+        """Every replica's parameters in the engine's names (checks that a sync delivered the export exactly)."""
+        return self._all("read_weights")
+
     def abort_all(self) -> list[int]:
         with self._lock:
             self._paused = True

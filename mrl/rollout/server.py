@@ -116,6 +116,9 @@ class RolloutServer:
         context = ray.get_runtime_context()
         return {**await self.adapter.health(), "pid": os.getpid(), "placement_group": context.get_placement_group_id()}
 
+    async def read_weights(self) -> dict[str, Any]:
+        return await self.adapter.read_weights()
+
     async def events(self) -> list[str]:
         return list(self.adapter.events)
 

@@ -382,7 +382,8 @@ class PPOTrainer:
     def sampling(self, train: bool) -> dict[str, Any]:
         r = self.config.rollout
         seed = self.config.trainer.seed * 1_000_003 + self.global_steps * 10_007 + (0 if train else 7)
-        return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "logprobs": True, "seed": seed}
+        return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "logprobs": True, "seed": seed,
+                "ignore_eos": r.ignore_eos}
 
     def step_metrics(self, trajectories: list[dict[str, Any]], actor_out: list[dict],
                      mismatch: dict[str, float]) -> dict:

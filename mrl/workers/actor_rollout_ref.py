@@ -210,6 +210,13 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
         return to_engine_batch(batch, [*keys, "advantages"])
 
     @register(Dispatch.ONE_TO_ALL)
+    def export_to_host(self) -> dict[str, torch.Tensor]:
+        """The actor's HF-named export as host tensors on rank 0 ({} elsewhere; every rank joins the gathers): what
+        a weight sync sends, for checks against the engine's read-back. Needs the parameters on the device."""
+        exported = {name: t.to("cpu", copy=True) for name, t in self.actor.engine.export_weights()}  # type: ignore[union-attr]
+        return exported if self.rank == 0 else {}
+
+    @register(Dispatch.ONE_TO_ALL)
     @tracks_memory("update_weights")
     def update_weights(self, global_steps: int) -> int:
         """Stream the actor's HF-named weights to every rollout replica, stamped with `global_steps`, through the

@@ -166,6 +166,12 @@ class VLLMAdapter(RolloutAdapter):
         loaded = await self.engine.collective_rpc("mrl_receive_weights", args=(spec, rank))
         return loaded[0]
 
+    async def read_weights(self) -> dict[str, Any]:
+        self.sleep_state.require_awake("weights", "read weights")
+        from safetensors.torch import load
+
+        return load((await self.engine.collective_rpc("mrl_read_weights"))[0])
+
     async def _clear_prefix_cache(self) -> None:
         await self.engine.reset_prefix_cache()
 

@@ -67,6 +67,15 @@ class WeightReceiverExtension:
         self.mrl_finish_weight_update()
         return count
 
+    def mrl_read_weights(self) -> bytes:
+        """The engine's parameters, in vLLM's own names and layout (fused qkv_proj, gate_up_proj;
+        rollout_adapters/vllm/readback.py maps an HF export onto them), as safetensors bytes: collective_rpc's
+        msgpack turns tensors into nested lists on the way out, bytes arrive as they were sent."""
+        from safetensors.torch import save
+
+        model = self.model_runner.get_model()
+        return save({name: p.detach().to("cpu", copy=True).contiguous() for name, p in model.named_parameters()})
+
     def mrl_finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 

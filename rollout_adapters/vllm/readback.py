@@ -1,0 +1,36 @@
+"""What a vLLM engine's parameters must hold after loading an HF-named export: vLLM's Llama-family models keep
+q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` (their `stacked_params_mapping`), stacked along the
+output dimension in that order, and pad the vocabulary rows of embeddings to a multiple of 64. Used to check,
+bit for bit, that a weight sync delivered the export (tests/gpu, tools/bench/e2e_gpu.py)."""
+
+from __future__ import annotations
+
+import torch
+
+STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def expected_engine_params(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The HF tensors under vLLM's parameter names, fused where vLLM fuses them (TP 1)."""
+    out = dict(hf)
+    for fused, parts in STACKED.items():
+        for name in [n for n in hf if f".{parts[0]}." in n]:
+            names = [name.replace(f".{parts[0]}.", f".{part}.") for part in parts]
+            out[name.replace(f".{parts[0]}.", f".{fused}.")] = torch.cat([hf[n] for n in names], dim=0)
+            for n in names:
+                del out[n]
+    return out
+
+
+def mismatched_params(engine: dict[str, torch.Tensor], hf: dict[str, torch.Tensor]) -> list[str]:
+    """Names whose engine tensor differs from the export in any bit (vocabulary padding rows ignored), or that one
+    side lacks (a tied lm_head is absent from both or present in both)."""
+    expected = expected_engine_params(hf)
+    bad = sorted(set(engine) ^ set(expected))
+    for name in set(engine) & set(expected):
+        got, want = engine[name], expected[name]
+        if got.shape != want.shape and got.shape[1:] == want.shape[1:] and got.shape[0] >= want.shape[0]:
+            got = got[: want.shape[0]]  # vocabulary rows padded for the engine's kernels
+        if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
+            bad.append(name)
+    return bad

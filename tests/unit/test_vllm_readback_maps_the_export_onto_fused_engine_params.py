@@ -1,0 +1,45 @@
+"""The read-back check of a weight sync (rollout_adapters/vllm/readback.py): an HF export maps onto vLLM's fused
+parameter names (q/k/v → qkv_proj, gate/up → gate_up_proj, in that order along the output dimension), padded
+vocabulary rows are ignored, and a single changed bit, a missing tensor or a wrong dtype is reported."""
+
+import torch
+
+from mrl.models.tiny import build_tiny_hf_model
+from rollout_adapters.vllm.readback import expected_engine_params, mismatched_params
+
+
+def export() -> dict[str, torch.Tensor]:
+    return {k: v.to(torch.bfloat16) for k, v in build_tiny_hf_model("qwen2", seed=3).state_dict().items()}
+
+
+def test_fused_names_and_order():
+    hf = export()
+    engine = expected_engine_params(hf)
+    prefix = "model.layers.1."
+    qkv = engine[prefix + "self_attn.qkv_proj.weight"]
+    q, k, v = (hf[prefix + f"self_attn.{p}_proj.weight"] for p in "qkv")
+    assert torch.equal(qkv, torch.cat([q, k, v])) and qkv.shape[0] == q.shape[0] + k.shape[0] + v.shape[0]
+    assert torch.equal(engine[prefix + "self_attn.qkv_proj.bias"],
+                       torch.cat([hf[prefix + f"self_attn.{p}_proj.bias"] for p in "qkv"]))
+    gate_up = engine[prefix + "mlp.gate_up_proj.weight"]
+    assert torch.equal(gate_up, torch.cat([hf[prefix + "mlp.gate_proj.weight"], hf[prefix + "mlp.up_proj.weight"]]))
+    assert not any(".q_proj." in n or ".gate_proj." in n for n in engine)
+    assert torch.equal(engine[prefix + "self_attn.o_proj.weight"], hf[prefix + "self_attn.o_proj.weight"])
+
+
+def test_an_exact_copy_passes_and_every_kind_of_difference_is_named():
+    hf = export()
+    engine = {k: v.clone() for k, v in expected_engine_params(hf).items()}
+    embed = "model.embed_tokens.weight"
+    engine[embed] = torch.cat([engine[embed], torch.zeros(64, engine[embed].shape[1], dtype=torch.bfloat16)])
+    assert mismatched_params(engine, hf) == []  # padded vocabulary rows are the engine's own
+    flipped = dict(engine)
+    name = "model.layers.0.mlp.gate_up_proj.weight"
+    bits = flipped[name].clone().view(torch.int16)
+    bits.view(-1)[17] ^= 1  # one bit of one element
+    flipped[name] = bits.view(torch.bfloat16)
+    assert mismatched_params(flipped, hf) == [name]
+    missing = {k: v for k, v in engine.items() if k != "model.norm.weight"}
+    assert mismatched_params(missing, hf) == ["model.norm.weight"]
+    wrong_dtype = {**engine, "model.norm.weight": engine["model.norm.weight"].float()}
+    assert mismatched_params(wrong_dtype, hf) == ["model.norm.weight"]

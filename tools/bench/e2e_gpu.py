@@ -1,0 +1,211 @@
+"""GPU end to end: mrl's hybrid GRPO step on one device, and vLLM driven directly on the same prompts.
+
+For each shape (Qwen2.5-0.5B / 1.5B, random bf16 weights, the demo's character tokenizer), in one process:
+1. mrl cold: `build_trainer` (Ray, Megatron actor, vLLM replica, agent loops) timed, then `--steps` steps of
+   hybrid GRPO with responses of exactly `--response-length` tokens (ignore EOS), nothing of the training state
+   offloaded (it fits beside the engine on an H200). Per step: gen, old log-prob, update, the sync's parts
+   (wake weights / export+transfer+load / offload / wake KV cache), the hand-over's sleep and onload, tokens/s,
+   MFU per phase and memory at each hand-over; medians over the steps after the first (warm-up).
+2. vLLM direct: AsyncLLM in this process with the replica's own engine arguments (the adapter builds them from
+   the same config: memory fraction, graphs, dtype, lengths, sleep mode, worker extension), the same B × n
+   requests and sampling; median of `--direct-rounds` rounds after a warm-up round.
+3. mrl warm: `build_trainer` again on the same machine (compile caches filled), timed, then shut down.
+Prints one table per shape and the ratios the GPU issue asks for; `--json` writes everything.
+
+    python tools/bench/e2e_gpu.py --shapes 0.5b 1.5b --response-length 1024 --batch 32 --n 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REWARD_FN = "mrl.data.synthetic:exact_match_reward"
+SYNC_PARTS = ("sync/wake_weights", "sync/update", "sync/offload", "sync/wake_kv_cache")
+HANDOVER = ("handover/sleep", "handover/onload")
+COMPUTE = ("gen", "old_log_prob", "update_actor")
+SMOKE = dict(vocab_size=512)  # `--shapes smoke`: the tiny default shape, to try the benchmark on a CPU
+
+
+def make_task(folder: Path, shape: str, seed: int) -> dict[str, str]:
+    import torch
+
+    from mrl.data.datasets import write_rows
+    from mrl.data.synthetic import char_tokenizer, reverse_rows
+    from mrl.models.tiny import QWEN2_5_SHAPES, make_tiny_hf_model
+
+    train, _ = reverse_rows(8, n_train=4096, n_val=8, seed=seed)
+    dims = QWEN2_5_SHAPES.get(shape, SMOKE)
+    model = make_tiny_hf_model("qwen2", folder / "model", seed=seed, tokenizer=char_tokenizer(), init_std=0.02,
+                               dtype=torch.bfloat16, **dims)
+    return {"model": str(model), "train": str(write_rows(train, folder / "train.parquet"))}
+
+
+def overrides(paths: dict[str, str], args: argparse.Namespace, label: str, folder: Path) -> list[str]:
+    tokens = args.response_length + 64
+    return [
+        f"model.path={paths['model']}", f"data.train_files=[{paths['train']}]", "data.val_files=[]",
+        "data.max_prompt_length=64", f"data.max_response_length={args.response_length}",
+        f"data.train_batch_size={args.batch}", f"rollout.n={args.n}", "rollout.ignore_eos=true",
+        f"rollout.gpu_memory_utilization={args.gpu_memory_utilization}",
+        f"rollout.enforce_eager={str(args.enforce_eager).lower()}",
+        "actor.megatron.params_dtype=bfloat16", "actor.use_dynamic_bsz=true",
+        f"actor.ppo_max_token_len_per_gpu={max(args.micro_batch_tokens, tokens)}",
+        f"actor.ppo_mini_batch_size={args.batch // args.updates}",
+        *(f"actor.megatron.{k}_offload={str(k in args.offload).lower()}" for k in ("param", "grad", "optimizer")),
+        f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
+        "trainer.save_freq=-1", f"trainer.experiment_name={label}", f"trainer.default_local_dir={folder / label}",
+        "trainer.logger=[console,jsonl]", f"reward.reward_fn='{REWARD_FN}'", "actor.optim.lr=1e-6",
+    ]
+
+
+def median(history: list[dict[str, Any]], key: str) -> float:
+    values = [h[key] for h in history[1:] if key in h] or [h[key] for h in history if key in h]
+    return statistics.median(values) if values else float("nan")
+
+
+def run_mrl(cfg: Any) -> dict[str, Any]:
+    from mrl.trainer.build import build_trainer, shutdown
+
+    start = time.monotonic()
+    trainer = build_trainer(cfg)
+    startup = time.monotonic() - start
+    try:
+        history = trainer.fit()
+    finally:
+        shutdown(trainer)
+    keys = {k for h in history for k in h if k.startswith(("timing_s/", "perf/", "memory/", "rollout/"))}
+    return {"startup_s": startup, "median": {k: median(history, k) for k in sorted(keys)}, "history": history}
+
+
+def startup_only(cfg: Any) -> float:
+    from mrl.trainer.build import build_trainer, shutdown
+
+    start = time.monotonic()
+    trainer = build_trainer(cfg)
+    seconds = time.monotonic() - start
+    shutdown(trainer)
+    return seconds
+
+
+def prompt_ids(cfg: Any) -> list[list[int]]:
+    """The token ids of one step's prompts as the single-turn agent loop renders them (chat template)."""
+    from transformers import AutoTokenizer
+
+    from mrl.data.datasets import RLDataset, templated_prompt_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    rows = RLDataset.from_files(cfg.data.train_files, cfg.data.prompt_key).rows[: cfg.data.train_batch_size]
+    return [templated_prompt_ids(tokenizer, r["messages"]) for r in rows]
+
+
+async def direct_vllm(cfg: Any, rounds: int) -> dict[str, Any]:
+    """vLLM's AsyncLLM with the replica's engine arguments on the step's B × n requests."""
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from mrl.trainer.build import rollout_spec
+    from rollout_adapters.vllm.adapter import VLLMAdapter
+
+    spec = rollout_spec(cfg)
+    engine_args = VLLMAdapter(spec.model_path, **spec.adapter_kwargs()).engine_args
+    start = time.monotonic()
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
+    startup = time.monotonic() - start
+    prompts = prompt_ids(cfg)
+
+    async def one(rid: str, ids: list[int], seed: int) -> int:
+        params = SamplingParams(temperature=cfg.rollout.temperature, max_tokens=cfg.data.max_response_length,
+                                ignore_eos=True, logprobs=0, seed=seed, output_kind=RequestOutputKind.FINAL_ONLY,
+                                detokenize=False)
+        final = None
+        async for out in engine.generate({"prompt_token_ids": ids}, params, rid):
+            final = out
+        return len(final.outputs[0].token_ids)
+
+    seconds, tokens = [], 0
+    try:
+        for r in range(rounds + 1):  # round 0 warms up (as mrl's first step, which the medians skip)
+            t0 = time.monotonic()
+            counts = await asyncio.gather(*(one(f"{r}-{i}-{k}", ids, i * 31 + k) for i, ids in enumerate(prompts)
+                                            for k in range(cfg.rollout.n)))
+            if r:
+                seconds.append(time.monotonic() - t0)
+                tokens = sum(counts)
+    finally:
+        engine.shutdown()
+    gen = statistics.median(seconds)
+    return {"startup_s": startup, "gen_s": gen, "tokens": tokens, "tokens_per_s": tokens / gen}
+
+
+def report(shape: str, mrl: dict[str, Any], direct: dict[str, Any], warm_s: float) -> dict[str, float]:
+    m = mrl["median"]
+    t = {k.removeprefix("timing_s/"): v for k, v in m.items() if k.startswith("timing_s/")}
+    step = t["step"]
+    overhead = sum(t.get(k, 0.0) for k in (*SYNC_PARTS, *HANDOVER, "balance", "adv"))
+    gen_tokens = m.get("perf/gen_tokens_per_s", float("nan")) * t["gen"]
+    ratios = {
+        "gen_vs_direct": direct["gen_s"] / t["gen"],
+        "non_compute_share": overhead / step,
+        "update_mfu": m.get("perf/mfu/update_actor", float("nan")),
+        "startup_cold_s": mrl["startup_s"], "startup_warm_s": warm_s,
+    }
+    print(f"\n== {shape}: step {step:.2f} s (median of steps 2..), {gen_tokens:.0f} generated tokens per step")
+    for name in (*COMPUTE, *HANDOVER, *SYNC_PARTS, "update_weights", "reward", "balance", "adv"):
+        if name in t:
+            print(f"  {name:<20} {t[name]:8.3f} s  {100 * t[name] / step:5.1f}%")
+    for key in sorted(k for k in m if k.startswith(("perf/", "memory/", "rollout/logprob"))):
+        print(f"  {key:<48} {m[key]:.4g}")
+    print(f"  vLLM direct: gen {direct['gen_s']:.3f} s ({direct['tokens_per_s']:.0f} tok/s), "
+          f"start {direct['startup_s']:.1f} s")
+    print(f"  mrl start: cold {mrl['startup_s']:.1f} s, warm {warm_s:.1f} s")
+    print("  ratios: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+    return ratios
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["0.5b", "1.5b"])
+    parser.add_argument("--response-length", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=32, help="prompts per step (B)")
+    parser.add_argument("--n", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--updates", type=int, default=2, help="optimizer updates per step")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--micro-batch-tokens", type=int, default=16384)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--offload", nargs="*", default=[], choices=["param", "grad", "optimizer"])
+    parser.add_argument("--direct-rounds", type=int, default=2)
+    parser.add_argument("--no-warm-start", action="store_true")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs or compile in the engine")
+    parser.add_argument("--json", help="write every figure here")
+    args = parser.parse_args()
+
+    from mrl.config.loader import load_config
+    from mrl.trainer.main import init_ray
+
+    init_ray(num_cpus=16)
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in args.shapes:
+            folder = Path(tmp) / shape
+            paths = make_task(folder, shape, seed=1)
+            cfg = load_config("tiny/grpo", overrides(paths, args, f"e2e_{shape}", folder))
+            mrl = run_mrl(cfg)
+            direct = asyncio.run(direct_vllm(cfg, args.direct_rounds))
+            warm = float("nan") if args.no_warm_start else startup_only(cfg)
+            results[shape] = {"mrl": mrl, "direct": direct, "warm_startup_s": warm,
+                              "ratios": report(shape, mrl, direct, warm)}
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
