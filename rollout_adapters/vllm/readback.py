@@ -1,7 +1,9 @@
 """What a vLLM engine's parameters must hold after loading an HF-named export: vLLM's Llama-family models keep
 q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` (their `stacked_params_mapping`), stacked along the
-output dimension in that order, and pad the vocabulary rows of embeddings to a multiple of 64. Used to check,
-bit for bit, that a weight sync delivered the export (tests/gpu, tools/bench/e2e_gpu.py)."""
+output dimension in that order, pad the vocabulary rows of embeddings to a multiple of 64, and hold every tensor
+in the engine's dtype: a bf16 trainer's RMSNorm weights are fp32 (Megatron's local spec builds torch's RMSNorm
+without params_dtype), so the engine keeps their bf16 rounding. Used to check, bit for bit, that a weight sync
+delivered the export (tests/gpu)."""
 
 from __future__ import annotations
 
@@ -23,14 +25,15 @@ def expected_engine_params(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 
 def mismatched_params(engine: dict[str, torch.Tensor], hf: dict[str, torch.Tensor]) -> list[str]:
-    """Names whose engine tensor differs from the export in any bit (vocabulary padding rows ignored), or that one
-    side lacks (a tied lm_head is absent from both or present in both)."""
+    """Names whose engine tensor differs in any bit from the export cast to the engine's dtype (vocabulary padding
+    rows ignored), or that one side lacks (a tied lm_head is absent from both or present in both)."""
     expected = expected_engine_params(hf)
     bad = sorted(set(engine) ^ set(expected))
     for name in set(engine) & set(expected):
         got, want = engine[name], expected[name]
         if got.shape != want.shape and got.shape[1:] == want.shape[1:] and got.shape[0] >= want.shape[0]:
             got = got[: want.shape[0]]  # vocabulary rows padded for the engine's kernels
-        if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
+        want = want.to(got.dtype)  # what the engine's loader stores (a copy into its parameter)
+        if got.shape != want.shape or not torch.equal(got, want):
             bad.append(name)
     return bad

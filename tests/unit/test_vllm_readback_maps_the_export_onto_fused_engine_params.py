@@ -1,6 +1,7 @@
 """The read-back check of a weight sync (rollout_adapters/vllm/readback.py): an HF export maps onto vLLM's fused
 parameter names (q/k/v → qkv_proj, gate/up → gate_up_proj, in that order along the output dimension), padded
-vocabulary rows are ignored, and a single changed bit, a missing tensor or a wrong dtype is reported."""
+vocabulary rows are ignored, an fp32 export is compared through its rounding to the engine's dtype, and a single
+changed bit or a missing tensor is reported."""
 
 import torch
 
@@ -41,5 +42,8 @@ def test_an_exact_copy_passes_and_every_kind_of_difference_is_named():
     assert mismatched_params(flipped, hf) == [name]
     missing = {k: v for k, v in engine.items() if k != "model.norm.weight"}
     assert mismatched_params(missing, hf) == ["model.norm.weight"]
-    wrong_dtype = {**engine, "model.norm.weight": engine["model.norm.weight"].float()}
-    assert mismatched_params(wrong_dtype, hf) == ["model.norm.weight"]
+    fp32_export = {**hf, "model.norm.weight": hf["model.norm.weight"].float() + 1e-4}  # rounds to the same bf16
+    assert (fp32_export["model.norm.weight"].to(torch.bfloat16) == hf["model.norm.weight"]).all()
+    assert mismatched_params(engine, fp32_export) == []
+    off_by_rounding = {**hf, "model.norm.weight": hf["model.norm.weight"].float() * 1.01}
+    assert mismatched_params(engine, off_by_rounding) == ["model.norm.weight"]

@@ -188,8 +188,13 @@ def main() -> None:
     parser.add_argument("--json", help="write every figure here")
     args = parser.parse_args()
 
+    import os
+
     from mrl.config.loader import load_config
     from mrl.trainer.main import init_ray
+
+    # The direct engine starts in this process, which has initialised CUDA by then: its engine core must spawn.
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
 
     init_ray(num_cpus=16)
     results: dict[str, Any] = {}
