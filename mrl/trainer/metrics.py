@@ -110,15 +110,18 @@ STAGE_PASSES = {"old_log_prob": 1, "ref": 1, "values": 1, "update_critic": 3, "u
 
 
 def mfu_metrics(flops: ModelFlops, lengths: Sequence[int], seconds: dict[str, float], peak: float, *,
-                trainer_devices: int, run_devices: int, actor_epochs: int = 1) -> dict[str, float]:
+                trainer_devices: int, run_devices: int, actor_epochs: int = 1,
+                stage_share: dict[str, float] | None = None) -> dict[str, float]:
     """`perf/mfu/<stage>` for each timed trainer stage (on the trainer's devices), and `perf/mfu` over the whole
     step (`seconds["step"]`, on all the run's devices), which counts generation as one forward pass over the batch
-    (KV-cached decoding computes each token once)."""
+    (KV-cached decoding computes each token once). `stage_share`: the share of the batch a stage computed (the
+    old log-prob pass skips the rows the first update trains on-policy)."""
     forward = flops.forward(lengths)
     out, total = {}, 0.0
     for stage, passes in STAGE_PASSES.items():
         if stage in seconds:
-            done = forward * passes * (actor_epochs if stage == "update_actor" else 1)
+            share = (stage_share or {}).get(stage, 1.0)
+            done = forward * passes * share * (actor_epochs if stage == "update_actor" else 1)
             total += done
             out[f"perf/mfu/{stage}"] = done / (max(seconds[stage], 1e-9) * trainer_devices * peak)
     if "gen" in seconds:
@@ -130,7 +133,7 @@ def mfu_metrics(flops: ModelFlops, lengths: Sequence[int], seconds: dict[str, fl
 
 def perf_metrics(lengths: Sequence[int], seconds: dict[str, float], memory: list[dict[str, Any]],
                  flops: ModelFlops | None, peak_tflops: float | None, *, trainer_devices: int, run_devices: int,
-                 actor_epochs: int = 1) -> dict[str, float]:
+                 actor_epochs: int = 1, stage_share: dict[str, float] | None = None) -> dict[str, float]:
     """Throughput, the workers' peak memory per phase and MFU (where the model's shape and the device's peak FLOP/s
     are known) of one step: `lengths` of the batch's sequences, `seconds` per stage (and "step"), `memory` from
     every worker's `memory_stats()`."""
@@ -139,7 +142,7 @@ def perf_metrics(lengths: Sequence[int], seconds: dict[str, float], memory: list
     peak = peak_flops(memory[0]["device"], peak_tflops) if memory else None
     if flops is not None and peak is not None:
         out.update(mfu_metrics(flops, lengths, seconds, peak, trainer_devices=trainer_devices,
-                               run_devices=run_devices, actor_epochs=actor_epochs))
+                               run_devices=run_devices, actor_epochs=actor_epochs, stage_share=stage_share))
     return out
 
 

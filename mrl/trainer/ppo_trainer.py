@@ -85,6 +85,7 @@ class PPOTrainer:
             a.kl_ctrl_type, a.kl_coef, a.kl_target, a.kl_horizon)) if a.use_kl_in_reward else None
         self.kl_metrics: dict[str, float] = {}
         self.handover_memory: dict[str, float] = {}  # device memory at each hybrid hand-over (GiB in use)
+        self.old_log_prob_share = 1.0  # of the batch's rows the last old log-prob pass computed (MFU)
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def fit(self) -> list[dict[str, Any]]:
@@ -254,7 +255,9 @@ class PPOTrainer:
             # bypass: the workers read the rollout's log-probs as π_old, so the two agree exactly
             return {"rollout/logprob_mismatch": 1.0, "rollout/mismatch_kl": 0.0, "rollout/logprob_abs_diff_max": 0.0}
         # The actor skips rows its first update trains on-policy (ActorRolloutRefWorker.on_policy_rows).
-        return batching.mismatch_over_ranks(self.parts.actor_rollout.compute_log_prob(batch, self.num_updates))
+        per_rank = self.parts.actor_rollout.compute_log_prob(batch, self.num_updates)
+        self.old_log_prob_share = min(sum(r["rows"] for r in per_rank) / max(len(batch), 1), 1.0)
+        return batching.mismatch_over_ranks(per_rank)
 
     def compute_advantage(self, batch: Batch) -> Batch:
         """Outcome estimators give one scalar per sample (`advantage`, a column of the light batch); GAE (the
@@ -416,7 +419,8 @@ class PPOTrainer:
             memory += self.parts.critic.memory_stats()
         return perf_metrics(batch["length"].tolist(), seconds, memory, self.flops,
                             self.config.trainer.peak_tflops_per_device, trainer_devices=self.trainer_devices,
-                            run_devices=self.num_devices, actor_epochs=self.config.actor.ppo_epochs)
+                            run_devices=self.num_devices, actor_epochs=self.config.actor.ppo_epochs,
+                            stage_share={"old_log_prob": self.old_log_prob_share})
 
     @property
     def trainer_devices(self) -> int:

@@ -68,5 +68,5 @@ def rank_mismatch(batch: Batch) -> dict[str, float]:
     old, _ = batch.as_padded("old_log_probs")
     rollout, _ = batch.as_padded("rollout_log_probs")
     mask, _ = batch.as_padded("response_mask")
-    return {**mismatch_metrics(old, rollout, mask), "tokens": float(mask.sum())}
+    return {**mismatch_metrics(old, rollout, mask), "tokens": float(mask.sum()), "rows": float(len(batch))}
 

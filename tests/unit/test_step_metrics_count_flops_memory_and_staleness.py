@@ -52,6 +52,11 @@ def test_mfu_per_stage_and_per_step_by_hand():
     assert "perf/mfu/ref" not in out  # not timed: no reference this step
     step_flops = forward * (1 + 6 + 1)  # old log-prob + update + generation (one forward)
     assert out["perf/mfu"] == pytest.approx(step_flops / (10.0 * 4 * 1e4))
+    # the old log-prob pass computed half the rows (the first update trained the rest on-policy)
+    half = mfu_metrics(f, [10], seconds, peak=1e4, trainer_devices=2, run_devices=4, actor_epochs=2,
+                       stage_share={"old_log_prob": 0.5})
+    assert half["perf/mfu/old_log_prob"] == pytest.approx(out["perf/mfu/old_log_prob"] / 2)
+    assert half["perf/mfu/update_actor"] == out["perf/mfu/update_actor"]
 
 
 def test_peak_flops_by_knob_or_device_name():
