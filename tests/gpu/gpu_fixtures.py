@@ -11,25 +11,24 @@ from mrl.data.synthetic import exact_match_reward  # noqa: F401  (the reward pat
 REWARD_FN = "mrl.data.synthetic:exact_match_reward"
 
 
-def device_used_gib(index: int = 0) -> float:
-    """GiB in use on the device by every process (NVML: no CUDA context is created here)."""
+def device_memory_gib(index: int = 0) -> tuple[float, float]:
+    """(GiB in use by every process, GiB in all) of the device, through NVML: no CUDA context is created here."""
     import pynvml
 
     pynvml.nvmlInit()
     try:
-        return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used / 2**30
+        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index))
+        return info.used / 2**30, info.total / 2**30
     finally:
         pynvml.nvmlShutdown()
+
+
+def device_used_gib(index: int = 0) -> float:
+    return device_memory_gib(index)[0]
 
 
 def device_total_gib(index: int = 0) -> float:
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).total / 2**30
-    finally:
-        pynvml.nvmlShutdown()
+    return device_memory_gib(index)[1]
 
 
 def demo_task(root: Path, warmup_steps: int = 75) -> dict[str, Any]:
