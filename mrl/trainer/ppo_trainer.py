@@ -49,9 +49,6 @@ class TrainerParts:
     store: SampleStore | None = None  # where trajectories' per-token data lives (the agent loops' store)
 
 
-TOKEN_LEVEL_ESTIMATORS = ("gae",)
-
-
 def mean_over_updates(per_rank: list[dict[str, Any]], prefix: str = "critic") -> dict[str, float]:
     """Metrics of every optimizer update of every DP rank, averaged; unprefixed engine keys get `prefix/`."""
     steps = [s for rank in per_rank for s in rank["steps"]]
@@ -222,10 +219,10 @@ class PPOTrainer:
 
     def compute_advantage(self, batch: Batch) -> Batch:
         """Outcome estimators give one scalar per sample (`advantage`, a column of the light batch); GAE (the
-        critic's per-token values) and KL-in-reward are per-token: one worker computes `advantages` and
-        `returns` into the store, and the KL controller comes back updated."""
+        critic's per-token values), REINFORCE++ (discounted, whitened over tokens) and KL-in-reward are per-token: one
+        worker computes `advantages` and `returns` into the store, and the KL controller comes back updated."""
         estimator = self.config.algorithm.adv_estimator
-        if estimator in TOKEN_LEVEL_ESTIMATORS or self.kl_ctrl is not None:
+        if estimator in batching.TOKEN_LEVEL_ESTIMATORS or self.kl_ctrl is not None:
             self.kl_metrics, self.kl_ctrl = self.parts.actor_rollout.compute_token_advantages(
                 batch, estimator, self.adv_config, self.kl_ctrl, self.config.algorithm.kl_penalty)
         else:
