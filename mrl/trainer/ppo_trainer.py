@@ -22,6 +22,7 @@ import torch
 
 from mrl.algo.advantages import AdvantageConfig
 from mrl.algo.kl import KLControlConfig, KLController, make_kl_controller
+from mrl.algo.rollout_correction import correction_metrics
 from mrl.config.schema import MrlConfig
 from mrl.data.batch import Batch
 from mrl.data.datasets import RLDataset
@@ -210,12 +211,15 @@ class PPOTrainer:
 
     def compute_old_log_prob(self, batch: Batch) -> dict[str, float]:
         """π_old into the store (by the actor; all rows but those the first update trains on-policy); returns the
-        rollout-vs-trainer mismatch metrics of the rows it computed."""
+        rollout-vs-trainer mismatch metrics of the rows it computed, and the rollout correction's (`rollout_corr/*`,
+        also per staleness level)."""
         if not self.config.rollout.recompute_old_log_prob:
             # bypass: the workers read the rollout's log-probs as π_old, so the two agree exactly
             return {"rollout/logprob_mismatch": 1.0, "rollout/mismatch_kl": 0.0, "rollout/logprob_abs_diff_max": 0.0}
         # The actor skips rows its first update trains on-policy (ActorRolloutRefWorker.on_policy_rows).
-        return batching.mismatch_over_ranks(self.parts.actor_rollout.compute_log_prob(batch, self.num_updates))
+        per_rank = self.parts.actor_rollout.compute_log_prob(batch, self.num_updates)
+        return {**batching.mismatch_over_ranks(per_rank),
+                **correction_metrics([r["correction"] for r in per_rank], self.global_steps)}
 
     def compute_advantage(self, batch: Batch) -> Batch:
         """Outcome estimators give one scalar per sample (`advantage`, a column of the light batch); GAE (the
