@@ -15,8 +15,11 @@ log ρ_t = old_log_prob − rollout_log_prob:
 
 Weights are constants (no gradient): π_old and π_rollout are both fixed in a step. Everything is computed in log
 space, so sequence products of thousands of tokens neither overflow nor turn into nan. Names follow verl's
-`algorithm.rollout_correction`. The trainer computes this once per step on the driver, then derives the loss
-normalizer (`LossNormalizer`) from the corrected mask, then multiplies the per-token policy loss by the weights.
+`algorithm.rollout_correction`. The actor loss applies `apply_rollout_correction` per micro-batch (every unit is a
+token or a whole sequence, and micro-batches keep sequences whole): rejected tokens get weight 0 in the
+policy-gradient term, the loss denominators stay those of the uncorrected mask (mrl/algo/actor_loss.py). The
+step's metrics come from `correction_stats` on each rank's rows where π_old is computed, reduced exactly on the
+driver (`correction_metrics`), also per staleness level.
 
 Decoupled PPO (Hilton et al. 2022; AReaL) keeps three log-probs: behaviour (rollout), proximal (old) and current;
 the PPO ratio uses the proximal policy and the behaviour correction multiplies the loss (`decoupled_ppo_loss`).
@@ -33,25 +36,18 @@ from torch import Tensor
 
 from mrl.algo.masked import LOG_RATIO_CLAMP, masked_count, masked_mean, masked_sum
 from mrl.algo.policy_loss import PolicyLossConfig, PolicyLossOutput, compute_policy_loss
+from mrl.config.schema import RolloutCorrectionSettings
 
 IS_LEVELS = ("token", "sequence")
 RS_LEVELS = ("token", "sequence", "geometric")
 
 
-@dataclass(frozen=True)
-class RolloutCorrectionConfig:
-    """`rollout_rs_threshold` defaults to `rollout_is_threshold`, `rollout_rs_threshold_lower` to 1 / upper.
+@dataclass
+class RolloutCorrectionConfig(RolloutCorrectionSettings):
+    """`algorithm.rollout_correction` (fields and their meaning: mrl/config/schema.py) with its rules checked.
+    `rollout_rs_threshold` defaults to `rollout_is_threshold`, `rollout_rs_threshold_lower` to 1 / upper.
     `use_decoupled_loss`: decoupled PPO (`decoupled_ppo_loss`), tokens whose behaviour weight exceeds
     `behav_imp_weight_cap` dropped; it is itself a token-level importance weight, so not with `rollout_is`."""
-
-    rollout_is: str | None = None
-    rollout_is_threshold: float = 2.0
-    rollout_rs: str | None = None
-    rollout_rs_threshold: float | None = None
-    rollout_rs_threshold_lower: float | None = None
-    rollout_token_veto_threshold: float | None = None
-    use_decoupled_loss: bool = False
-    behav_imp_weight_cap: float | None = None
 
     def __post_init__(self) -> None:
         if self.rollout_is is not None and self.rollout_is not in IS_LEVELS:
