@@ -4,8 +4,8 @@ rollout correction, a few seeds each; held-out greedy accuracy curves to a PNG a
 The task and the warmed-up model are the demo's (reverse a 4-digit string, exact-match reward; `mrl demo`), made
 once and shared by every run; runs differ in `weight_sync.staleness_threshold`, `algorithm.rollout_correction`
 and `trainer.seed` only. The correction is token-level truncated IS (rollout_is=token, C=2) unless
-`--correction` names other `algorithm.rollout_correction.*` overrides. Results are written after every run, so
-an interrupted sweep keeps what finished.
+`--correction` names other `algorithm.rollout_correction.*` overrides. Results are written after every run, and a
+sweep started again on the same --out skips the runs it already has.
 
     PYTHONPATH=$PWD .venv/bin/python tools/bench/offpolicy.py --out runs/offpolicy            # the full sweep
     PYTHONPATH=$PWD .venv/bin/python tools/bench/offpolicy.py --steps 3 --staleness 2 --seeds 1   # a smoke run
@@ -129,14 +129,19 @@ def main() -> int:
     paths = prepare(out, args.length, args.warmup_steps, seed=1)
     init_ray(num_cpus=8)
     results_path = out / "results.json"
-    results: dict[str, Any] = {}
+    # Resume: runs already in results.json (same steps and learning rate) are kept and not run again.
+    saved = json.loads(results_path.read_text()) if results_path.exists() else {}
+    same = saved and all(saved["args"][k] == vars(args)[k] for k in ("steps", "lr", "test_freq", "rollout"))
+    results: dict[str, Any] = saved["runs"] if same else {}
     start = time.monotonic()
-    for staleness in args.staleness:
-        for seed in args.seeds:
+    for seed in args.seeds:  # seed-major: a sweep cut short still has every setting once
+        for staleness in args.staleness:
             for corrected in (False, True):
+                key = f"s{staleness}_{'corr' if corrected else 'plain'}_seed{seed}"
+                if key in results:
+                    continue
                 run_start = time.monotonic()
                 history = run_one(paths, staleness, corrected, seed, args, out)
-                key = f"s{staleness}_{'corr' if corrected else 'plain'}_seed{seed}"
                 results[key] = {"staleness": staleness, "corrected": corrected, "seed": seed, "history": history,
                                 "seconds": round(time.monotonic() - run_start, 1)}
                 results_path.write_text(json.dumps({"args": vars(args), "warmup": paths["warmup"],
