@@ -14,7 +14,7 @@ from mrl.algo.rollout_correction import (
     correction_stats,
 )
 from mrl.config import ConfigError, load_config
-from mrl.workers.actor_rollout_ref import make_actor_loss_fn
+from mrl.workers.actor_rollout_ref import actor_loss_config, make_actor_loss_fn
 
 # ρ = π_old / π_rollout per token; row 1's third token is masked (its ρ = 100 must never matter)
 RHO = [[3.0, 0.5, 1.5], [0.25, 1.2, 100.0]]
@@ -158,3 +158,16 @@ def test_start_up_validation_names_the_setting_and_the_rule(overrides, setting, 
     assert violation.setting == setting and words in violation.rule
     cfg = load_config("tiny/grpo", [*VALID, "algorithm.rollout_correction.rollout_is=sequence"], check_paths=False)
     assert cfg.algorithm.rollout_correction.rollout_is == "sequence"
+
+
+def test_every_setting_reaches_the_actor_loss():
+    settings = {"rollout_is": "sequence", "rollout_is_threshold": 3.0, "rollout_rs": "geometric",
+                "rollout_rs_threshold": 1.01, "rollout_rs_threshold_lower": 0.99, "rollout_token_veto_threshold": 1e-4}
+    cfg = load_config("tiny/grpo", [*VALID, *(f"algorithm.rollout_correction.{k}={v}" for k, v in settings.items())],
+                      check_paths=False)
+    correction = actor_loss_config(cfg.actor, cfg.algorithm).rollout_correction
+    assert {k: getattr(correction, k) for k in settings} == settings and correction.enabled
+    decoupled = load_config("tiny/grpo", [*VALID, "algorithm.rollout_correction.use_decoupled_loss=true",
+                                          "algorithm.rollout_correction.behav_imp_weight_cap=4"], check_paths=False)
+    correction = actor_loss_config(decoupled.actor, decoupled.algorithm).rollout_correction
+    assert correction.use_decoupled_loss and correction.behav_imp_weight_cap == 4.0
