@@ -2,12 +2,19 @@
 
     L = agg(w ⊙ ℓ_pg) − entropy_coeff · agg(H) + kl_loss_coef · agg(k(π, π_ref))
 
-with ℓ_pg from `actor.policy_loss.loss_mode`, w the rollout-correction IS weights (1 when absent), H the per-token
+with ℓ_pg from `actor.policy_loss.loss_mode`, w the rollout-correction weights (1 when off), H the per-token
 entropy, k the `kl_loss_type` estimator, and every agg the same `loss_agg_mode` over the same step-global
 `LossNormalizer` — so the returned value is this micro-batch's share and the engine sums shares (see
 `mrl.algo.aggregation`). Metrics are this micro-batch's own values (pg_loss / entropy / kl_loss aggregated with
 the micro-batch's own denominators, clip fractions and ppo_kl as its token means), so the engine's mean over
 micro-batches reports them at the scale of the step.
+
+Rollout correction (`algorithm.rollout_correction`, mrl/algo/rollout_correction.py) runs here, per micro-batch, on
+the three log-probs kept apart: π_rollout (`rollout_log_prob`, the engine's), π_old (stored, or the forward's own
+on rows trained on-policy) and π_θ. Every correction is per token or per whole sequence, and sequences are never
+split between micro-batches, so the result does not depend on the split. Rejected tokens get w = 0 in the
+policy-gradient term only: the denominators (step-global, counted before any forward) and the entropy and KL
+terms keep them, so rows whose π_old comes from their own forward are treated exactly like stored ones.
 """
 
 from dataclasses import dataclass, field
@@ -16,7 +23,8 @@ from torch import Tensor
 
 from mrl.algo.aggregation import LOSS_AGG_MODES, LossNormalizer, agg_loss
 from mrl.algo.kl import KL_ESTIMATORS, kl_penalty
-from mrl.algo.policy_loss import PolicyLossConfig, compute_policy_loss
+from mrl.algo.policy_loss import PolicyLossConfig, PolicyLossOutput, compute_policy_loss
+from mrl.algo.rollout_correction import RolloutCorrectionConfig, apply_rollout_correction, decoupled_ppo_loss
 
 
 @dataclass(frozen=True)
@@ -30,6 +38,7 @@ class ActorLossConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
     def __post_init__(self) -> None:
         if self.loss_agg_mode not in LOSS_AGG_MODES:
@@ -49,6 +58,7 @@ def actor_loss(
     entropy: Tensor | None = None,
     ref_log_prob: Tensor | None = None,
     rollout_is_weights: Tensor | None = None,
+    rollout_log_prob: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """This micro-batch's share of the actor loss (formula in the module docstring) and its metrics."""
 
@@ -58,8 +68,9 @@ def actor_loss(
     def local(loss_mat: Tensor) -> Tensor:
         return agg(loss_mat.detach(), None)
 
-    pg = compute_policy_loss(log_prob, old_log_prob, advantages, response_mask, config.policy_loss)
-    pg_mat = pg.loss_mat if rollout_is_weights is None else pg.loss_mat * rollout_is_weights.detach()
+    pg, pg_mat = policy_gradient_term(log_prob, old_log_prob, advantages, response_mask, config, rollout_log_prob)
+    if rollout_is_weights is not None:  # weights a caller computed itself
+        pg_mat = pg_mat * rollout_is_weights.detach()
     pg_loss = agg(pg_mat)
     total = pg_loss
     metrics = {f"actor/{k}": v for k, v in pg.metrics.items()}
@@ -80,3 +91,25 @@ def actor_loss(
         metrics["actor/kl_coef"] = kl_share.new_tensor(config.kl_loss_coef)
         total = total + config.kl_loss_coef * kl_share
     return total, metrics
+
+
+def policy_gradient_term(
+    log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, response_mask: Tensor, config: ActorLossConfig,
+    rollout_log_prob: Tensor | None,
+) -> tuple[PolicyLossOutput, Tensor]:
+    """The policy loss and its per-token matrix w ⊙ ℓ_pg after `config.rollout_correction`: rejection (w = 0),
+    then truncated IS (w = min(ρ, C)) with ℓ_pg against π_old, or decoupled PPO (clip around π_old, weight
+    π_old / π_rollout, tokens above the cap dropped)."""
+    correction = config.rollout_correction
+    if not correction.enabled:
+        pg = compute_policy_loss(log_prob, old_log_prob, advantages, response_mask, config.policy_loss)
+        return pg, pg.loss_mat
+    if rollout_log_prob is None:
+        raise ValueError("algorithm.rollout_correction is on but the batch has no rollout_log_probs")
+    weights, kept = apply_rollout_correction(old_log_prob, rollout_log_prob, response_mask, correction)
+    if correction.use_decoupled_loss:
+        pg = decoupled_ppo_loss(log_prob, old_log_prob, rollout_log_prob, advantages, kept, config.policy_loss,
+                                correction.behav_imp_weight_cap)
+        return pg, pg.loss_mat
+    pg = compute_policy_loss(log_prob, old_log_prob, advantages, response_mask, config.policy_loss)
+    return pg, pg.loss_mat * (weights if weights is not None else kept.to(pg.loss_mat.dtype))

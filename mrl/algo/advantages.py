@@ -22,6 +22,7 @@ from torch import Tensor
 
 from mrl.algo.masked import masked_sum, masked_whiten
 from mrl.algo.registry import Registry
+from mrl.reward.placement import place_on_last_token
 
 GroupIndex = Tensor | np.ndarray | Sequence[object]
 
@@ -228,16 +229,19 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     values: Tensor | None = None,
     config: AdvantageConfig = AdvantageConfig(),
 ) -> AdvantageOutput:
-    """REINFORCE++-baseline: s_i − mean_G (group mean as baseline; mean 0 for a group of one), placed on every
-    valid token, then whitened over all valid tokens of the batch (a batch-level std instead of GRPO's group std)."""
+    """REINFORCE++-baseline: the group mean of the sequence scores s_i = Σ_t r_{i,t} (0 for a group of one) is
+    subtracted at each row's last valid token, then the return-to-go G_k = r'_{t_k} + γ·G_{k+1} over the valid
+    tokens, whitened over all valid tokens of the batch (a batch-level std instead of GRPO's group std). With
+    γ = 1 and the reward on the last token, every token of row i carries s_i − mean_G before whitening."""
     if index is None:
         raise ValueError("adv_estimator 'reinforce_plus_plus_baseline' needs the per-sample group index")
-    scores = _sequence_scores(token_level_rewards, response_mask)
+    mask = response_mask.bool()
+    scores = _sequence_scores(token_level_rewards, mask)
     stats = group_stats(scores, index)
-    centred = scores - torch.where(stats.count > 1, stats.mean, torch.zeros_like(scores))
-    per_token = _broadcast(centred, response_mask)
-    adv = masked_whiten(per_token, response_mask)
-    return AdvantageOutput(adv, adv)
+    baseline = torch.where(stats.count > 1, stats.mean, torch.zeros_like(scores))
+    centred = token_level_rewards - place_on_last_token(baseline, mask)
+    returns = discounted_gae(centred, torch.zeros_like(centred), mask, config.gamma, 1.0)
+    return AdvantageOutput(masked_whiten(returns, mask), returns)
 
 
 def compute_advantage(

@@ -297,6 +297,34 @@ class RolloutConfig:
 
 
 @dataclass
+class RolloutCorrectionSettings:
+    """Corrections for tokens sampled by another policy than π_old (engine numerics, older weight versions in the
+    async modes): weights and masks from ρ = π_old / π_rollout on the policy-gradient term. All off by default;
+    each needs rollout.recompute_old_log_prob=true. IcePop = rollout_is=token + rollout_rs=token with the same
+    upper bound (weights ρ inside [lower, upper], 0 outside). docs/recipes.md: rollout correction."""
+
+    # Truncated importance sampling: token (w_t = min(ρ_t, C)), sequence (w = min(Π_t ρ_t, C) on every token of
+    # the sequence) or null (off).
+    rollout_is: str | None = None
+    # C of rollout_is (> 0).
+    rollout_is_threshold: float = 2.0
+    # Rejection (masked IS): token (drop tokens with ρ_t outside [lower, upper]), sequence (drop sequences with
+    # Π_t ρ_t outside), geometric (drop sequences whose geometric mean of ρ_t is outside) or null (off).
+    rollout_rs: str | None = None
+    # Upper bound of rollout_rs (null: rollout_is_threshold).
+    rollout_rs_threshold: float | None = None
+    # Lower bound of rollout_rs (null: 1 / the upper bound).
+    rollout_rs_threshold_lower: float | None = None
+    # Drop a whole sequence holding a token with ρ_t below this (null: off).
+    rollout_token_veto_threshold: float | None = None
+    # Decoupled PPO: the clip around π_old (proximal), the loss weighted by π_old / π_rollout (behaviour); not
+    # with rollout_is.
+    use_decoupled_loss: bool = False
+    # Decoupled PPO: drop tokens whose behaviour weight exceeds this (null: keep all).
+    behav_imp_weight_cap: float | None = None
+
+
+@dataclass
 class AlgorithmConfig:
     # Advantage estimator: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, gae.
     adv_estimator: str = "grpo"
@@ -319,6 +347,8 @@ class AlgorithmConfig:
     kl_target: float = 0.1
     # Horizon of the adaptive controller.
     kl_horizon: int = 10000
+    # Off-policy and training–inference mismatch correction of the actor loss.
+    rollout_correction: RolloutCorrectionSettings = field(default_factory=RolloutCorrectionSettings)
 
 
 @dataclass

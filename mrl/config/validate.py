@@ -483,3 +483,21 @@ def _rollout_engine_settings(cfg: DictConfig, check_paths: bool) -> Iterator[Vio
     if r.dtype is not None:
         yield from _one_of(cfg, "rollout.dtype", ("float32", "bfloat16", "float16"))
     yield from _one_of(cfg, "rollout.sleep_level", (1, 2))
+
+
+@rule
+def _rollout_correction(cfg: DictConfig, _: bool) -> Iterator[Violation]:
+    """The correction's own rules (mrl/algo/rollout_correction.py), and it needs a π_old apart from π_rollout."""
+    from mrl.algo.rollout_correction import correction_config
+
+    settings = _get(cfg, "algorithm.rollout_correction")
+    try:
+        correction = correction_config(settings)
+    except ValueError as err:
+        yield Violation("algorithm.rollout_correction", OmegaConf.to_container(settings), str(err))
+        return
+    if correction.enabled and not _get(cfg, "rollout.recompute_old_log_prob"):
+        yield Violation("rollout.recompute_old_log_prob", False,
+                        "algorithm.rollout_correction weighs π_old against π_rollout; in bypass mode π_old is the "
+                        "rollout's log-probs, so every weight is 1: set rollout.recompute_old_log_prob=true or turn "
+                        "the correction off")

@@ -45,6 +45,8 @@ def light_batch(records: Sequence[dict[str, Any]]) -> Batch:
         "score": torch.tensor([float(r["score"]) for r in records]),
         "length": torch.tensor([r["prompt_len"] + r["response_len"] for r in records], dtype=torch.long),
         "is_noop": torch.tensor([bool(r.get("is_noop", False)) for r in records]),
+        # the oldest weight version of the sample's tokens (-1: none); the rollout correction's metrics group by it
+        "min_version": torch.tensor([int(r.get("min_version", -1)) for r in records], dtype=torch.long),
     })
 
 

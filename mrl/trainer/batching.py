@@ -13,6 +13,10 @@ import torch
 from mrl.algo.advantages import ADV_ESTIMATORS, AdvantageConfig
 from mrl.data.batch import Batch
 
+# Estimators whose advantages differ along a response (discounting, token-level whitening): a worker computes them
+# on the model tokens of the whole step; the others give one number per sample on the driver.
+TOKEN_LEVEL_ESTIMATORS = ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+
 
 def balance_order(lengths: list[int], chunks: int) -> list[int]:
     """A permutation putting samples into `chunks` equal-count contiguous chunks with near-equal token totals
@@ -36,10 +40,14 @@ def balance_order(lengths: list[int], chunks: int) -> list[int]:
 
 
 def scalar_advantages(batch: Batch, estimator: str, config: AdvantageConfig) -> torch.Tensor:
-    """Outcome advantages as one number per sample (the estimator on one token per sample: the score)."""
+    """Outcome advantages as one number per sample (the estimator on one token per sample: the score); no-op
+    samples hold no token, so they enter no statistic. Estimators that vary along a response are token-level
+    (`PPOTrainer.compute_advantage` sends them to a worker)."""
+    if estimator in TOKEN_LEVEL_ESTIMATORS:
+        raise ValueError(f"adv_estimator {estimator!r} is token-level: it has no one-number-per-sample form")
     scores = batch["score"].float()[:, None]
-    ones = torch.ones_like(scores)
-    out = ADV_ESTIMATORS.get(estimator)(scores, ones, index=list(batch["uid"]), config=config)
+    real = (~batch["is_noop"]).float()[:, None] if "is_noop" in batch else torch.ones_like(scores)
+    out = ADV_ESTIMATORS.get(estimator)(scores, real, index=list(batch["uid"]), config=config)
     return out.advantages[:, 0]
 
 

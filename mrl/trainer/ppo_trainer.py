@@ -22,6 +22,7 @@ import torch
 
 from mrl.algo.advantages import AdvantageConfig
 from mrl.algo.kl import KLControlConfig, KLController, make_kl_controller
+from mrl.algo.rollout_correction import correction_metrics
 from mrl.config.schema import MrlConfig
 from mrl.data.batch import Batch
 from mrl.data.datasets import RLDataset
@@ -47,9 +48,6 @@ class TrainerParts:
     reward: RewardEvaluator
     critic: Any = None
     store: SampleStore | None = None  # where trajectories' per-token data lives (the agent loops' store)
-
-
-TOKEN_LEVEL_ESTIMATORS = ("gae",)
 
 
 def mean_over_updates(per_rank: list[dict[str, Any]], prefix: str = "critic") -> dict[str, float]:
@@ -250,21 +248,23 @@ class PPOTrainer:
 
     def compute_old_log_prob(self, batch: Batch) -> dict[str, float]:
         """π_old into the store (by the actor; all rows but those the first update trains on-policy); returns the
-        rollout-vs-trainer mismatch metrics of the rows it computed."""
+        rollout-vs-trainer mismatch metrics of the rows it computed, and the rollout correction's (`rollout_corr/*`,
+        also per staleness level)."""
         if not self.config.rollout.recompute_old_log_prob:
             # bypass: the workers read the rollout's log-probs as π_old, so the two agree exactly
             return {"rollout/logprob_mismatch": 1.0, "rollout/mismatch_kl": 0.0, "rollout/logprob_abs_diff_max": 0.0}
         # The actor skips rows its first update trains on-policy (ActorRolloutRefWorker.on_policy_rows).
         per_rank = self.parts.actor_rollout.compute_log_prob(batch, self.num_updates)
         self.old_log_prob_share = min(sum(r["rows"] for r in per_rank) / max(len(batch), 1), 1.0)
-        return batching.mismatch_over_ranks(per_rank)
+        return {**batching.mismatch_over_ranks(per_rank),
+                **correction_metrics([r["correction"] for r in per_rank], self.global_steps)}
 
     def compute_advantage(self, batch: Batch) -> Batch:
         """Outcome estimators give one scalar per sample (`advantage`, a column of the light batch); GAE (the
-        critic's per-token values) and KL-in-reward are per-token: one worker computes `advantages` and
-        `returns` into the store, and the KL controller comes back updated."""
+        critic's per-token values), REINFORCE++ (discounted, whitened over tokens) and KL-in-reward are per-token: one
+        worker computes `advantages` and `returns` into the store, and the KL controller comes back updated."""
         estimator = self.config.algorithm.adv_estimator
-        if estimator in TOKEN_LEVEL_ESTIMATORS or self.kl_ctrl is not None:
+        if estimator in batching.TOKEN_LEVEL_ESTIMATORS or self.kl_ctrl is not None:
             self.kl_metrics, self.kl_ctrl = self.parts.actor_rollout.compute_token_advantages(
                 batch, estimator, self.adv_config, self.kl_ctrl, self.config.algorithm.kl_penalty)
         else:

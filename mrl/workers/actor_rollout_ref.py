@@ -23,7 +23,8 @@ from mrl.algo.actor_loss import ActorLossConfig, actor_loss
 from mrl.algo.advantages import AdvantageConfig
 from mrl.algo.kl import KLController
 from mrl.algo.policy_loss import PolicyLossConfig
-from mrl.config.schema import ActorConfig, MrlConfig
+from mrl.algo.rollout_correction import RolloutCorrectionConfig, correction_config, correction_stats
+from mrl.config.schema import ActorConfig, AlgorithmConfig, MrlConfig
 from mrl.controller import Dispatch, Execute, Worker, nd_compute, register
 from mrl.data.batch import Batch
 from mrl.data.jagged import JaggedTensor
@@ -43,7 +44,8 @@ ACTOR_MESH = "actor"
 POLICY_LOSS_NAMES = {"ppo_clip": "vanilla"}  # config name → algorithm library name (others pass through)
 
 
-def actor_loss_config(actor: ActorConfig) -> ActorLossConfig:
+def actor_loss_config(actor: ActorConfig, algorithm: AlgorithmConfig | None = None) -> ActorLossConfig:
+    correction = correction_config(algorithm.rollout_correction) if algorithm else RolloutCorrectionConfig()
     return ActorLossConfig(
         policy_loss=PolicyLossConfig(
             loss_mode=POLICY_LOSS_NAMES.get(actor.policy_loss, actor.policy_loss),
@@ -56,11 +58,13 @@ def actor_loss_config(actor: ActorConfig) -> ActorLossConfig:
         use_kl_loss=actor.use_kl_loss,
         kl_loss_coef=actor.kl_loss_coef,
         kl_loss_type=actor.kl_loss_type,
+        rollout_correction=correction,
     )
 
 
 def make_actor_loss_fn(config: ActorLossConfig, on_policy: bool = False) -> Any:
-    """The actor's loss; `on_policy`: π_old is the forward's own log-probs (the weights it runs on are π_old's)."""
+    """The actor's loss; `on_policy`: π_old is the forward's own log-probs (the weights it runs on are π_old's),
+    and a rollout correction weighs those against the rollout's log-probs as it does stored ones."""
 
     def loss_fn(outputs: Any, mb: Any, normalizer: Any) -> Any:
         return actor_loss(
@@ -72,6 +76,7 @@ def make_actor_loss_fn(config: ActorLossConfig, on_policy: bool = False) -> Any:
             config,
             entropy=outputs.get("entropy"),
             ref_log_prob=mb.get("ref_log_prob"),
+            rollout_log_prob=mb.get("rollout_log_probs"),
         )
 
     return loss_fn
@@ -86,7 +91,8 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
         self.actor: TrainingWorker | None = None
         self.ref: TrainingWorker | None = None
         self.rollout: Any = None
-        loss_config = actor_loss_config(config.actor)
+        loss_config = actor_loss_config(config.actor, config.algorithm)
+        self.correction = loss_config.rollout_correction
         self.loss_fn = make_actor_loss_fn(loss_config)
         self.on_policy_loss_fn = make_actor_loss_fn(loss_config, on_policy=True)
 
@@ -145,13 +151,18 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
     @tracks_memory("old_log_prob")
     def compute_log_prob(self, batch: Batch, num_updates: int = 1) -> dict[str, float]:
         """`old_log_probs` of every token under the current actor, into the store; returns this rank's
-        rollout-vs-trainer mismatch (`rank_mismatch`). Given the step's `num_updates`, rows that `update_actor`
-        trains on-policy are skipped (`on_policy_rows`)."""
+        rollout-vs-trainer mismatch (`rank_mismatch`) and, under "correction", the sums behind the rollout
+        correction's metrics per weight version (`correction_stats`). Given the step's `num_updates`, rows that
+        `update_actor` trains on-policy are skipped (`on_policy_rows`)."""
         batch = batch[self.on_policy_rows(len(batch), num_updates):]
         fetched = self.fetch(batch, ["input_ids", "response_mask", "rollout_log_probs"])
         fetched["old_log_probs"] = self._infer(self.actor, fetched)
         self.write(ACTOR_MESH, batch, {"old_log_probs": fetched.jagged_field("old_log_probs")})
-        return rank_mismatch(fetched)
+        padded = {k: fetched.as_padded(k)[0] for k in ("old_log_probs", "rollout_log_probs", "response_mask")}
+        versions = batch["min_version"] if "min_version" in batch else torch.full((len(batch),), -1)
+        stats = correction_stats(padded["old_log_probs"], padded["rollout_log_probs"], padded["response_mask"],
+                                 self.correction, versions)
+        return {**rank_mismatch(fetched), "correction": stats}
 
     @register(nd_compute(ACTOR_MESH), pad=True)
     @tracks_memory("ref")
@@ -201,8 +212,10 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
 
     def _update_inputs(self, batch: Batch, with_old: bool) -> Any:
         """The engine batch of an update, fetched by key. Outcome estimators send one `advantage` per sample,
-        spread here over model tokens; token-level ones left `advantages` in the store."""
+        spread here over model tokens; token-level ones left `advantages` in the store. A rollout correction also
+        needs the rollout's log-probs (a field apart from π_old and π_ref)."""
         keys = ["input_ids", "response_mask"] + (["old_log_probs"] if with_old else [])
+        keys += ["rollout_log_probs"] if self.correction.enabled else []
         keys += ["ref_log_prob"] if self.config.actor.use_kl_loss else []
         batch = self.fetch(batch, keys + ([] if "advantage" in batch else ["advantages"]))
         if "advantage" in batch:

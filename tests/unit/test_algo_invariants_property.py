@@ -89,3 +89,37 @@ def test_aggregation_is_invariant_to_padding_rows_with_mask_zero(data, extra_row
         plain = agg_loss(loss, mask, mode, loss_scale_factor=8)
         padded = agg_loss(padded_loss[order], padded_mask[order], mode, loss_scale_factor=8)
         torch.testing.assert_close(padded, plain, rtol=1e-12, atol=1e-12)
+
+
+CORRECTIONS = [
+    RolloutCorrectionConfig(rollout_is="token"),
+    RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=1.5),
+    RolloutCorrectionConfig(rollout_rs="token", rollout_rs_threshold=1.01),
+    RolloutCorrectionConfig(rollout_rs="sequence"),
+    RolloutCorrectionConfig(rollout_is="token", rollout_rs="geometric", rollout_token_veto_threshold=0.9),
+    RolloutCorrectionConfig(use_decoupled_loss=True, behav_imp_weight_cap=1.0),
+]
+
+
+@SETTINGS
+@given(padded_batch(-5.0, 0.0), st.sampled_from(LOSS_AGG_MODES), st.sampled_from(CORRECTIONS))
+def test_corrections_are_the_identity_when_behaviour_equals_proximal(data, mode, correction):
+    """π_rollout = π_old (so also when both equal π_θ): every weight is 1, nothing is rejected, and the loss and
+    its gradient are plain PPO's, whatever the current policy."""
+    matrix, mask, _ = data
+    old, advantages, current = matrix(), matrix(), matrix()
+    result = compute_rollout_correction(old, old.clone(), mask, correction)
+    assert torch.equal(result.response_mask.bool(), mask)
+    if result.is_weights is not None:
+        assert torch.all(result.is_weights[mask] == 1.0)
+    for log_prob_of in (lambda: old.clone(), lambda: current):  # π_θ = π_old = π_rollout, then any π_θ
+        losses, grads = [], []
+        for config in (ActorLossConfig(loss_agg_mode=mode),
+                       ActorLossConfig(loss_agg_mode=mode, rollout_correction=correction)):
+            log_prob = log_prob_of().requires_grad_(True)
+            loss, _ = actor_loss(log_prob, old, advantages, mask, None, config, rollout_log_prob=old.clone())
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append(log_prob.grad)
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(grads[1], grads[0], rtol=1e-12, atol=1e-12)
