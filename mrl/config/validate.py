@@ -41,6 +41,10 @@ class ConfigError(ValueError):
         lines = "\n".join(f"  - {v}" for v in violations)
         super().__init__(f"invalid configuration ({len(violations)} problem(s)):\n{lines}")
 
+    def lines(self) -> list[str]:
+        """The command line's form: one `mrl: <setting>=<value>: <rule>` line per violation."""
+        return [f"mrl: {v}" for v in self.violations]
+
 
 Rule = Callable[[Any, bool], Iterable[Violation]]
 RULES: list[Rule] = []
@@ -184,13 +188,7 @@ def _trainer_roles(cfg: DictConfig, _: bool) -> Iterator[Violation]:
     if critic and (mini < 1 or batch % mini):
         yield Violation("critic.ppo_mini_batch_size", mini,
                         f"must divide data.train_batch_size={batch} (the critic's updates per step)")
-    replicas = _get(cfg, "rollout.num_replicas")
-    footprint = (_get(cfg, "rollout.tensor_model_parallel_size") * _get(cfg, "rollout.data_parallel_size")
-                 * _get(cfg, "rollout.pipeline_model_parallel_size"))
-    if _get(cfg, "rollout.mode") == "hybrid" and replicas * footprint > trainer_world_size(cfg):
-        yield Violation("rollout.num_replicas", replicas,
-                        f"{replicas} hybrid replicas of {footprint} devices exceed the trainer's "
-                        f"{trainer_world_size(cfg)} device slots")
+    # where the replicas go: mrl/config/placement.py, shared with mrl plan and the build (field_rules.py)
 
 
 KL_CONTROLLERS = ("fixed", "adaptive")
@@ -289,7 +287,7 @@ def _optimizers(cfg: DictConfig, _: bool) -> Iterator[Violation]:
         betas = list(_get(cfg, f"{o}.betas"))
         if not all(0.0 <= b < 1.0 for b in betas):
             yield Violation(f"{o}.betas", betas, "Adam's betas must each be in [0, 1)")
-    for path in ("actor.clip_ratio_low", "actor.clip_ratio_high", "actor.kl_loss_coef", "critic.cliprange_value"):
+    for path in ("actor.clip_ratio_high", "actor.kl_loss_coef", "critic.cliprange_value"):  # clip_ratio_low: RANGES
         yield from _at_least(cfg, path, 0.0)
     c = _get(cfg, "actor.clip_ratio_c")
     if c <= 1.0:
@@ -466,3 +464,7 @@ def _separate_async(cfg: DictConfig) -> Iterator[Violation]:
                         f"trainer.mode=separate_async needs data.train_batch_size ({batch}) == "
                         f"parameter_sync_step × actor.ppo_mini_batch_size ({sync_step} × {mini}), so that "
                         "each step's updates end with one weight sync")
+
+
+# Rules on single fields, keys and what lies beside the config register themselves on import.
+from mrl.config import field_rules  # noqa: E402, F401

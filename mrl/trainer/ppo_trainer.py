@@ -127,7 +127,8 @@ class PPOTrainer:
         if self.updates_all_skipped:
             print(f"[mrl] step {self.global_steps}: every actor update was skipped (NaN/Inf loss or gradients); "
                   "the rollout keeps the last good weights", flush=True)
-        if c.trainer.save_freq > 0 and self.global_steps % c.trainer.save_freq == 0:
+        if c.trainer.save_freq > 0 and (self.global_steps % c.trainer.save_freq == 0
+                                        or self.global_steps == c.trainer.total_training_steps):  # the final step
             with t("save_checkpoint"):
                 self.save_checkpoint()
         with t("update_weights"):
@@ -252,6 +253,7 @@ class PPOTrainer:
         checkpointing.save_trainer_state(staging, self.trainer_state())
         final = checkpointing.step_dir(root, self.global_steps)
         checkpointing.commit(staging, final)
+        checkpointing.prune(root, self.config.trainer.max_checkpoints_to_keep, final)
         return final
 
     def load_checkpoint(self, path: str) -> None:
