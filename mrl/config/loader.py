@@ -37,9 +37,15 @@ def _recipe_location(recipe: str) -> tuple[Path, str]:
     return candidate.parent, candidate.stem
 
 
+_registered = False
+
+
 def load_config(recipe: str, overrides: list[str] | None = None, *, check: bool = True,
                 check_paths: bool = True) -> DictConfig:
-    register_configs()
+    global _registered
+    if not _registered:  # storing the typed root costs a third of a composition; once per process is enough
+        register_configs()
+        _registered = True
     config_dir, name = _recipe_location(recipe)
     given = list(overrides or [])
     composed, violations = check_overrides(given)  # the rest is still composed: every problem in one round

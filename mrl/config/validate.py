@@ -6,6 +6,7 @@ recipe is fixed in one round rather than discovered as a hang or a late crash on
 their rules here (or in their own module, with `@rule`), never as scattered asserts.
 """
 
+import contextvars
 import importlib.util
 import json
 import os
@@ -55,11 +56,16 @@ def rule(fn: Rule) -> Rule:
     return fn
 
 
-def validate(cfg: DictConfig | Any, check_paths: bool = True) -> None:
-    """Raise ConfigError if any rule fails. `check_paths=False` for planning recipes whose model is not here."""
+def validate(cfg: DictConfig | Any, check_paths: bool = True, model_config: dict[str, Any] | None = None) -> None:
+    """Raise ConfigError if any rule fails. `check_paths=False` for planning recipes whose model is not here;
+    `model_config` (an HF config dict) then stands in for the model folder's config.json in the shape rules."""
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.structured(cfg)
-    violations = [v for r in RULES for v in r(cfg, check_paths)]
+    token = _PLANNED_MODEL.set(model_config)
+    try:
+        violations = [v for r in RULES for v in r(cfg, check_paths)]
+    finally:
+        _PLANNED_MODEL.reset(token)
     if violations:
         raise ConfigError(violations)
 
@@ -144,7 +150,8 @@ def _megatron_layout(cfg: DictConfig, _: bool) -> Iterator[Violation]:
                             f"TP×PP×CP = {tp}×{pp}×{cp} must divide the trainer's devices "
                             f"(resources.nnodes × resources.n_gpus_per_node = {world})")
         etp = _get(cfg, f"{m}.expert_tensor_parallel_size") or tp
-        if (world // pp) % (ep * etp):
+        tp_named = world % (tp * pp * cp) and _get(cfg, f"{m}.expert_tensor_parallel_size") is None
+        if (world // pp) % (ep * etp) and not tp_named:  # an ETP inherited from a bad TP is that TP's line
             yield Violation(f"{m}.expert_model_parallel_size", ep,
                             f"EP×ETP = {ep}×{etp} must divide the devices of one pipeline stage ({world // pp})")
         vpp = _get(cfg, f"{m}.virtual_pipeline_model_parallel_size")
@@ -278,7 +285,7 @@ def _optimizers(cfg: DictConfig, _: bool) -> Iterator[Violation]:
         o = f"{role}.optim"
         lr, min_lr = _get(cfg, f"{o}.lr"), _get(cfg, f"{o}.min_lr")
         yield from _at_least(cfg, f"{o}.lr", 0.0)
-        if min_lr < 0 or min_lr > lr:
+        if lr >= 0 and (min_lr < 0 or min_lr > lr):  # a negative lr is its own line
             yield Violation(f"{o}.min_lr", min_lr, f"must be in [0, {o}.lr={lr}]")
         yield from _at_least(cfg, f"{o}.weight_decay", 0.0)
         yield from _at_least(cfg, f"{o}.clip_grad", 0.0)
@@ -339,8 +346,15 @@ def _run_and_rollout_ranges(cfg: DictConfig, check_paths: bool) -> Iterator[Viol
 
 
 # ---- rules that need the model's config.json (start-up, before any worker) -------------------------------------
+# `mrl plan` checks a recipe whose model is not here against the config it plans with (a built-in shape).
+_PLANNED_MODEL: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("planned", default=None)
+
+
 def hf_config(cfg: DictConfig, check_paths: bool) -> dict[str, Any] | None:
-    """The model folder's config.json as a dict, when paths are checked and it is there."""
+    """The model folder's config.json as a dict, when paths are checked and it is there (or the config
+    `validate(model_config=...)` was given)."""
+    if _PLANNED_MODEL.get() is not None:
+        return _PLANNED_MODEL.get()
     path = os.path.join(str(_get(cfg, "model.path") or ""), "config.json")
     if not check_paths or not os.path.isfile(path):
         return None
@@ -353,6 +367,29 @@ def _num_experts(hf: dict[str, Any]) -> int:
         if hf.get(key):
             return int(hf[key])
     return 0
+
+
+def pipeline_split_problem(layers: int, pp: int, vpp: int | None, overrides: Any) -> str | None:
+    """Megatron's rule for splitting `layers` over PP stages (× VPP chunks), with its uneven split: the first
+    and last stages may hold `num_layers_in_first/last_pipeline_stage` layers (override_transformer_config)
+    and the middle stages split the rest evenly."""
+    if pp < 1:
+        return None
+    chunks = vpp or 1
+    ends = [overrides.get(f"num_layers_in_{end}_pipeline_stage") for end in ("first", "last")]
+    if all(n is None for n in ends):
+        if layers % (pp * chunks):
+            return f"PP × VPP = {pp * chunks} model chunks must divide the model's {layers} layers"
+        return None
+    middle_layers = layers - sum(n for n in ends if n is not None)
+    middle_stages = pp - sum(n is not None for n in ends)
+    given = ", ".join(f"num_layers_in_{end}_pipeline_stage={n}" for end, n in zip(("first", "last"), ends)
+                      if n is not None)
+    if any(n is not None and (n < 1 or n % chunks) for n in ends) or bool(middle_layers) != bool(middle_stages) \
+            or (middle_stages and (middle_layers % middle_stages or middle_layers // middle_stages % chunks)):
+        return (f"with {given}, the other {middle_layers} of the model's {layers} layers must split evenly over "
+                f"the {middle_stages} middle stage(s) (each stage's layers a multiple of VPP = {chunks})")
+    return None
 
 
 @rule
@@ -377,10 +414,10 @@ def _model_shape(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
         if tp >= 1 and (heads % tp or kv_heads % tp):
             yield Violation(f"{m}.tensor_model_parallel_size", tp, f"must divide the model's attention heads "
                                                                   f"({heads}) and key-value heads ({kv_heads})")
-        stages = pp * (_get(cfg, f"{m}.virtual_pipeline_model_parallel_size") or 1)
-        if pp >= 1 and layers % stages:
-            yield Violation(f"{m}.pipeline_model_parallel_size", pp,
-                            f"PP × VPP = {stages} model chunks must divide the model's {layers} layers")
+        vpp = _get(cfg, f"{m}.virtual_pipeline_model_parallel_size")
+        split = pipeline_split_problem(layers, pp, vpp, _get(cfg, f"{m}.override_transformer_config"))
+        if split and not (pp == 1 and (vpp or 1) > 1):  # VPP without PP: its own line
+            yield Violation(f"{m}.pipeline_model_parallel_size", pp, split)
         if ep > 1 and (experts == 0 or experts % ep):
             yield Violation(f"{m}.expert_model_parallel_size", ep,
                             f"must divide the model's routed experts ({experts})" if experts else

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -158,11 +157,11 @@ def make_plan(recipe: str, overrides: list[str] | None = None, *, device_gib: fl
     that can still be computed is shown."""
     cfg = load_config(recipe, overrides, check=False)
     problems: list[str] = []
-    try:
-        validate(cfg, check_paths=False)
+    config, source = resolve_model_config(cfg.model.path, model_config)
+    try:  # the model-shape rules (TP vs heads, PP vs layers, ...) run against the config planned with
+        validate(cfg, check_paths=False, model_config=config)
     except ConfigError as err:
         problems += [f"config: {v}" for v in err.violations]
-    config, source = resolve_model_config(cfg.model.path, model_config)
     shape = shape_from_config(config)
     acc = accounting(cfg, shape)
     mem = estimate(cfg, shape, device_gib, rollout_overhead_gib)
@@ -254,11 +253,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        plan = make_plan(args.recipe, args.overrides, device_gib=args.device_memory_gib,
-                         rollout_overhead_gib=args.rollout_overhead_gib, model_config=args.model_config)
-    except FileNotFoundError as err:
-        print(err, file=sys.stderr)
-        return 2
+    plan = make_plan(args.recipe, args.overrides, device_gib=args.device_memory_gib,  # errors: mrl/cli.py
+                     rollout_overhead_gib=args.rollout_overhead_gib, model_config=args.model_config)
     print(json.dumps(to_json(plan), indent=2) if args.json else render(plan))
     return 0 if plan.can_start else 1
