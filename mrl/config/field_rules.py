@@ -1,5 +1,5 @@
 """Start-up rules on single fields and on what lies beside the config: known keys, value ranges and shapes, where
-the rollout replicas go, data files, the keys of the free-form dicts and the model's vocabulary.
+the rollout replicas go, data files, and the keys of the free-form dicts.
 
 Registered with `@rule` like those of `mrl/config/validate.py`, which imports this module, so `validate` runs them
 all. The keys and free-form dicts come from the schema's dataclasses, so fields added later are covered.
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
-from mrl.config.validate import ENGINE_ROLES, Violation, hf_config, rule
+from mrl.config.validate import ENGINE_ROLES, Violation, rule
 
 # (setting, low, high, low included, high included); None: no bound. A None value is skipped (an optional field).
 RANGES: tuple[tuple[str, float | None, float | None, bool, bool], ...] = (
@@ -122,16 +122,3 @@ def _free_form_keys(cfg: DictConfig, _: bool) -> Iterator[Violation]:
     for role in ENGINE_ROLES:
         overrides = OmegaConf.to_container(cfg[role].megatron.override_transformer_config)
         yield from transformer_config_violations(role, overrides, named)  # type: ignore[arg-type]
-
-
-@rule
-def _vocabulary(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
-    hf = hf_config(cfg, check_paths)
-    vocab = (hf or {}).get("vocab_size")
-    if not vocab:
-        return
-    for role in ENGINE_ROLES:  # Megatron splits the embedding and output rows evenly over TP (no padding here)
-        tp = cfg[role].megatron.tensor_model_parallel_size
-        if tp > 1 and vocab % tp:
-            yield Violation(f"{role}.megatron.tensor_model_parallel_size", tp,
-                            f"must divide the model's vocabulary ({vocab} tokens)")

@@ -392,6 +392,27 @@ def pipeline_split_problem(layers: int, pp: int, vpp: int | None, overrides: Any
     return None
 
 
+def layout_shape_problems(hf: dict[str, Any], tp: int, pp: int, vpp: int | None, ep: int,
+                          overrides: Any = None) -> Iterator[tuple[str, str]]:
+    """(layout knob, rule) for each way a Megatron layout does not fit the model's HF config: TP over heads,
+    key-value heads and the vocabulary (Megatron splits embedding rows evenly, no padding here), PP × VPP over
+    layers, EP over routed experts. Shared by the start-up rules and `mrl convert`."""
+    heads = int(hf.get("num_attention_heads", 1))
+    kv_heads = int(hf.get("num_key_value_heads") or heads)
+    layers, experts, vocab = int(hf.get("num_hidden_layers", 1)), _num_experts(hf), hf.get("vocab_size")
+    if tp >= 1 and (heads % tp or kv_heads % tp):
+        yield "tensor_model_parallel_size", (f"must divide the model's attention heads ({heads}) and key-value "
+                                             f"heads ({kv_heads})")
+    elif tp > 1 and vocab and vocab % tp:
+        yield "tensor_model_parallel_size", f"must divide the model's vocabulary ({vocab} tokens)"
+    split = pipeline_split_problem(layers, pp, vpp, overrides or {})
+    if split and not (pp == 1 and (vpp or 1) > 1):  # VPP without PP: its own line
+        yield "pipeline_model_parallel_size", split
+    if ep > 1 and (experts == 0 or experts % ep):
+        yield "expert_model_parallel_size", (f"must divide the model's routed experts ({experts})" if experts else
+                                             "the model has no experts (dense): expert parallel needs an MoE model")
+
+
 @rule
 def _model_shape(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
     hf = hf_config(cfg, check_paths)
@@ -404,24 +425,14 @@ def _model_shape(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
         if arch not in architectures():
             yield Violation("model.path", _get(cfg, "model.path"), f"its architecture {arch!r} has no bridge; "
                                                                     f"known: {', '.join(architectures())}")
-    heads = int(hf.get("num_attention_heads", 1))
-    kv_heads = int(hf.get("num_key_value_heads") or heads)
-    layers, experts = int(hf.get("num_hidden_layers", 1)), _num_experts(hf)
+    heads, experts = int(hf.get("num_attention_heads", 1)), _num_experts(hf)
     for role in ENGINE_ROLES:
         m = f"{role}.megatron"
-        tp, pp, ep = (_get(cfg, f"{m}.{k}") for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                                                      "expert_model_parallel_size"))
-        if tp >= 1 and (heads % tp or kv_heads % tp):
-            yield Violation(f"{m}.tensor_model_parallel_size", tp, f"must divide the model's attention heads "
-                                                                  f"({heads}) and key-value heads ({kv_heads})")
-        vpp = _get(cfg, f"{m}.virtual_pipeline_model_parallel_size")
-        split = pipeline_split_problem(layers, pp, vpp, _get(cfg, f"{m}.override_transformer_config"))
-        if split and not (pp == 1 and (vpp or 1) > 1):  # VPP without PP: its own line
-            yield Violation(f"{m}.pipeline_model_parallel_size", pp, split)
-        if ep > 1 and (experts == 0 or experts % ep):
-            yield Violation(f"{m}.expert_model_parallel_size", ep,
-                            f"must divide the model's routed experts ({experts})" if experts else
-                            "the model has no experts (dense): expert parallel needs an MoE model")
+        tp, pp, vpp, ep = (_get(cfg, f"{m}.{k}") for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                                           "virtual_pipeline_model_parallel_size",
+                                                           "expert_model_parallel_size"))
+        for knob, why in layout_shape_problems(hf, tp, pp, vpp, ep, _get(cfg, f"{m}.override_transformer_config")):
+            yield Violation(f"{m}.{knob}", _get(cfg, f"{m}.{knob}"), why)
         if experts and tp > 1 and not _get(cfg, f"{m}.sequence_parallel"):
             yield Violation(f"{m}.sequence_parallel", False, "Megatron needs sequence parallel for MoE with TP > 1")
     rollout_tp = _get(cfg, "rollout.tensor_model_parallel_size")

@@ -7,6 +7,7 @@ reports its stages with their seconds, and the run ends with one line saying whe
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -30,9 +31,11 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address)
         return
+    from mrl.utils.noise import quiet
+
     env = {**RAY_ENV, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
-             runtime_env={"env_vars": env})
+             runtime_env={"env_vars": env}, logging_level=logging.ERROR if quiet() else logging.INFO)
 
 
 def _duration(seconds: float) -> str:
