@@ -40,8 +40,9 @@ def _user_error_lines(err: BaseException) -> list[str] | None:
     """One line per problem for a user's mistake, else None (a bug keeps its traceback)."""
     from mrl.config.validate import ConfigError
 
-    if isinstance(err, ConfigError):
-        return err.lines()
+    for e in (err, getattr(err, "cause", None)):  # a Ray task's error carries the worker's as `cause`
+        if isinstance(e, ConfigError) and hasattr(e, "violations"):
+            return e.lines()
     if isinstance(err, FileNotFoundError):  # a path given on the command line or in a recipe
         return [f"mrl: {err}"]
     return None

@@ -110,6 +110,27 @@ def _data_files(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
                 yield Violation(f"data.{key}", str(path), "unsupported format: use .parquet, .jsonl or .json")
             elif not os.path.isfile(str(path)):
                 yield Violation(f"data.{key}", str(path), "no such file")
+    rows = _row_count([str(p) for p in cfg.data.train_files])
+    if rows is not None and rows < cfg.data.train_batch_size:
+        yield Violation("data.train_batch_size", cfg.data.train_batch_size,
+                        f"a step needs more prompts than data.train_files hold ({rows} rows)")
+
+
+def _row_count(paths: list[str]) -> int | None:
+    """Rows of parquet (from its footer) and JSONL (non-empty lines) files; None (not counted) without files or
+    when one is missing, .json or of another format (each reported by its own rule)."""
+    if not paths or not all(os.path.isfile(p) and p.endswith((".parquet", ".jsonl")) for p in paths):
+        return None
+    total = 0
+    for path in paths:
+        if path.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            total += pq.ParquetFile(path).metadata.num_rows
+        else:
+            with open(path, "rb") as f:
+                total += sum(1 for line in f if line.strip())
+    return total
 
 
 @rule

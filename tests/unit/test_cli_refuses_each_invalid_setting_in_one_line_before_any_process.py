@@ -22,7 +22,7 @@ from mrl.trainer import main as train_main
 ODD_VOCAB = {**DENSE, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 501}
 BASE = ["model.path={dense}", "data.train_files=[{train}]", "data.max_prompt_length=64",
         "data.max_response_length=16"]
-FAMILY_BASE = ["model.path={family}", "data.train_files=[{train}]", "data.val_files=[]"]
+FAMILY_BASE = ["model.path={family}", "data.train_files=[{prompts}]", "data.val_files=[]"]
 FAMILY_MODELS = {"llama3/8b_grpo": "Llama-3.1-8B", "qwen2_5/7b_grpo": "Qwen2.5-7B", "qwen3/8b_grpo": "Qwen3-8B",
                  "qwen3_moe/30b_a3b_grpo": "Qwen3-30B-A3B", "qwen3_moe/235b_a22b_grpo": "Qwen3-235B-A22B",
                  "deepseek_v3/671b_grpo": "DeepSeek-V3"}
@@ -127,6 +127,7 @@ TINY = [
     (["data.train_files=[/no/such/train.parquet]"], "data.train_files", "no such file"),
     (["data.val_files=[/no/such/val.jsonl]"], "data.val_files", "no such file"),
     (["data.train_files=[{text}]"], "data.train_files", "unsupported format"),
+    (["data.train_batch_size=32"], "data.train_batch_size", "more prompts than data.train_files hold (16 rows)"),
     # where the replicas go (the placement mrl plan and the runtime share)
     (["resources.n_gpus_per_node=3", "rollout.tensor_model_parallel_size=2"], "rollout.tensor_model_parallel_size",
      "must be a multiple of the replica footprint TP×DP×PP = 2"),
@@ -195,10 +196,12 @@ def paths(tmp_path_factory) -> dict[str, str]:
     for model in FAMILY_MODELS.values():
         (root / model).mkdir()
         shutil.copy(next(RECIPES_DIR.glob(f"*/models/{model}.json")), root / model / "config.json")
-    (root / "train.jsonl").write_text('{"prompt": [{"role": "user", "content": "hi"}]}\n')
+    (root / "train.jsonl").write_text('{"prompt": [{"role": "user", "content": "hi"}]}\n' * 16)  # one batch
+    (root / "prompts.jsonl").write_text('{"prompt": "hi"}\n' * 512)  # a family recipe's batch
     (root / "train.txt").write_text("hi\n")
     (root / "typo.yaml").write_text(RECIPE_FILE)
-    out.update(train=str(root / "train.jsonl"), text=str(root / "train.txt"), typo=str(root / "typo.yaml"),
+    out.update(train=str(root / "train.jsonl"), prompts=str(root / "prompts.jsonl"), text=str(root / "train.txt"),
+               typo=str(root / "typo.yaml"),
                root=str(root))
     return out
 

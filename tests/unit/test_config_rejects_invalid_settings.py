@@ -37,7 +37,7 @@ def models(tmp_path_factory) -> dict[str, str]:
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps(hf))
         folders[name] = str(root / name)
-    (root / "train.jsonl").write_text('{"prompt": [{"role": "user", "content": "hi"}]}\n')
+    (root / "train.jsonl").write_text('{"prompt": [{"role": "user", "content": "hi"}]}\n' * 16)  # one batch
     folders["train"] = str(root / "train.jsonl")
     return folders
 
