@@ -3,7 +3,9 @@
 A rule is a function `cfg -> iterable of Violation`, registered with `@rule`. `validate` runs all of them and
 raises one `ConfigError` listing every violation, each naming the setting, its value and the rule, so that a bad
 recipe is fixed in one round rather than discovered as a hang or a late crash on a cluster. Later features add
-their rules here (or in their own module, with `@rule`), never as scattered asserts.
+their rules here (or in their own module, with `@rule`), never as scattered asserts. Rules on single fields, keys,
+replica placement, data files and free-form dict keys are in `mrl/config/field_rules.py`; the command line prints
+each violation as one `mrl: <setting>=<value>: <rule>` line (`ConfigError.lines`, mrl/cli.py).
 """
 
 import contextvars

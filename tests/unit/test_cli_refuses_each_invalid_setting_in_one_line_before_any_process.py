@@ -280,3 +280,16 @@ def test_a_debug_run_keeps_the_traceback(paths, monkeypatch):
     monkeypatch.setenv("MRL_DEBUG", "1")
     with pytest.raises(ConfigError, match=r"algorithm\.gamma"):
         cli.main(["config", "tiny/grpo", *[o.format(**paths) for o in BASE], "algorithm.gamma=2"])
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["config", "tiny/grpo", "rollout.nn=4"], "mrl: rollout.nn=4: unknown setting; did you mean rollout.n?"),
+    (["plan", "qwen3/8b_grpo", "+actor.optim.learning_rate=1e-5"],
+     "mrl: actor.optim.learning_rate=1e-05: unknown setting; did you mean actor.optim.lr?"),
+    (["plan", "tiny/grpo", "model.path=/no/model"], "mrl: no config.json for '/no/model'"),
+    (["report", "/no/run"], "mrl: run_dir='/no/run/metrics.jsonl': no metrics file there"),
+])
+def test_every_command_speaks_the_same_error_style(no_ray, capsys, argv, line):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.splitlines()[0].startswith(line), err
