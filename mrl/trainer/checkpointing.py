@@ -23,6 +23,11 @@ STEP_DIR = re.compile(r"^global_step_(\d+)$")
 RESUME_KEYWORDS = ("disable", "auto")
 
 
+def due(step: int, save_freq: int, total_steps: int | None) -> bool:
+    """Whether step `step` saves: every `save_freq` steps (-1: never) and the run's final step."""
+    return save_freq > 0 and (step % save_freq == 0 or step == total_steps)
+
+
 def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"global_step_{step}")
 

@@ -127,8 +127,7 @@ class PPOTrainer:
         if self.updates_all_skipped:
             print(f"[mrl] step {self.global_steps}: every actor update was skipped (NaN/Inf loss or gradients); "
                   "the rollout keeps the last good weights", flush=True)
-        if c.trainer.save_freq > 0 and (self.global_steps % c.trainer.save_freq == 0
-                                        or self.global_steps == c.trainer.total_training_steps):  # the final step
+        if checkpointing.due(self.global_steps, c.trainer.save_freq, c.trainer.total_training_steps):
             with t("save_checkpoint"):
                 self.save_checkpoint()
         with t("update_weights"):

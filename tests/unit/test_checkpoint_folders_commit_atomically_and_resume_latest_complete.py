@@ -89,3 +89,9 @@ def test_pruning_keeps_the_newest_complete_ones_and_never_the_one_just_written(t
                                                                                      "global_step_3"]
     assert checkpointing.prune(root, 1, checkpointing.step_dir(root, 2)) == [checkpointing.step_dir(root, 3)]
     assert os.path.isdir(checkpointing.step_dir(root, 4))
+
+
+def test_every_save_freq_steps_and_the_final_step_are_saved():
+    assert [s for s in range(1, 8) if checkpointing.due(s, 3, 7)] == [3, 6, 7]
+    assert [s for s in range(1, 7) if checkpointing.due(s, 3, 6)] == [3, 6]
+    assert not any(checkpointing.due(s, -1, 7) for s in range(1, 8))
