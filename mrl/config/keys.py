@@ -18,6 +18,7 @@ from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
+from hydra.errors import OverrideParseException
 
 from mrl.config.schema import MrlConfig
 from mrl.config.validate import Violation
@@ -80,11 +81,22 @@ def check_overrides(overrides: list[str]) -> tuple[list[str], list[Violation]]:
     """(the overrides to compose, violations). A key inside a free-form dict may be set with or without `+`
     (it is composed as `++key=value`); anywhere else the key must be a field, and `+` is refused."""
     fields = schema_fields()
-    parsed = OverridesParser.create().parse_overrides(overrides)
+    parser = OverridesParser.create()
     out, violations = [], []
-    for raw, o in zip(overrides, parsed):
+    for raw in overrides:
+        try:
+            (o,) = parser.parse_overrides([raw])
+        except OverrideParseException as err:  # Hydra's grammar: key=value, +key=value, ~key
+            key, _, value = raw.partition("=")
+            reason = next((ln.strip() for ln in str(err).splitlines() if ln.strip().strip("^")
+                           and not ln.startswith(("See ", "Error parsing"))), "see Hydra's override grammar")
+            violations.append(Violation(key.lstrip("+~") or "override", value or None,
+                                        f"not a key=value override ({reason})"))
+            continue
         key = o.key_or_group
-        if key.split(".")[0] == _HYDRA_PREFIX or o.is_delete():
+        if not key:
+            violations.append(Violation("override", raw, "names no setting: write key=value"))
+        elif key.split(".")[0] == _HYDRA_PREFIX or o.is_delete():
             out.append(raw)
         elif free_form_parent(key) is not None:
             out.append(f"++{key}={o.get_value_element_as_str()}")

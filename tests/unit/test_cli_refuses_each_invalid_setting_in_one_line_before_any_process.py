@@ -109,6 +109,9 @@ TINY = [
     (["trainer.total_training_steps=ten"], "trainer.total_training_steps", "must be int or null"),
     (["actor.use_kl_loss=maybe"], "actor.use_kl_loss", "must be bool"),
     (["actor.optim=3"], "actor.optim", "must be OptimConfig"),
+    (["rollout.n"], "rollout.n", "not a key=value override (missing EQUAL"),
+    (["rollout.n=[1,"], "rollout.n", "not a key=value override"),
+    (["=3"], "override", "names no setting"),
     # free-form dicts: keys the installed engine / Megatron / adapter accepts
     (["+rollout.engine_kwargs.max_num_seq=3"], "rollout.engine_kwargs.max_num_seq", "did you mean max_num_seqs?"),
     (["rollout.engine_kwargs.enable_prefix_cachin=true"], "rollout.engine_kwargs.enable_prefix_cachin",
