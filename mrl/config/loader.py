@@ -53,7 +53,7 @@ def load_config(recipe: str, overrides: list[str] | None = None, *, check: bool 
         try:
             cfg = compose(config_name=name, overrides=composed)
         except ConfigCompositionException as err:
-            violation = composition_violation(err, given, OmegaConf.load(config_dir / f"{name}.yaml"))
+            violation = composition_violation(err, composed, OmegaConf.load(config_dir / f"{name}.yaml"))
             if violation is None:
                 raise
             raise ConfigError([*violations, violation]) from err
