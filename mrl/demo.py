@@ -79,9 +79,7 @@ def grpo(label: str, paths: dict[str, Any], args: argparse.Namespace, lr: float 
     cfg = load_config("tiny/grpo", overrides)
     print(f"\n=== GRPO run '{label}': lr={cfg.actor.optim.lr}, rollout={cfg.rollout.name}, "
           f"B={cfg.data.train_batch_size} x n={cfg.rollout.n}, {cfg.trainer.total_training_steps} steps", flush=True)
-    start = time.monotonic()
-    trainer = build_trainer(cfg)
-    print(f"started workers and rollout in {time.monotonic() - start:.1f} s", flush=True)
+    trainer = build_trainer(cfg)  # it reports its start-up stages with their seconds
     try:
         return trainer.fit()
     finally:

@@ -62,6 +62,11 @@ SETTING_OF: dict[str, dict[str, str]] = {
 }
 
 
+# Backends whose adapter, not an engine-argument class, takes engine_kwargs: SGLang's server flags travel as
+# `extra_args` (a command line), and the hf backend has no engine arguments.
+ADAPTER_ENGINE_KWARGS: dict[str, tuple[str, ...]] = {"sglang": ("extra_args",), "hf": ()}
+
+
 def shadowed_settings(backend: str, engine_kwargs: dict) -> list[tuple[str, str]]:
     """(engine_kwargs key, the setting to use instead) for every pass-through key a named setting fills; SGLang's
     `extra_args` flags count as keys."""

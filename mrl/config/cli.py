@@ -1,12 +1,10 @@
 """`mrl config RECIPE [key=value ...]`: compose, validate and print a recipe."""
 
 import argparse
-import sys
 
 from omegaconf import OmegaConf
 
 from mrl.config.loader import load_config
-from mrl.config.validate import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,10 +14,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        cfg = load_config(args.recipe, args.overrides, check_paths=not args.no_path_check)
-    except ConfigError as err:
-        print(err, file=sys.stderr)
-        return 2
+    cfg = load_config(args.recipe, args.overrides, check_paths=not args.no_path_check)  # errors: mrl/cli.py
     print(OmegaConf.to_yaml(cfg), end="")
     return 0

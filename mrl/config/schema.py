@@ -435,6 +435,9 @@ class TrainerConfig:
     # Seconds every worker may take to answer one group call (init, log-probs, updates, weight export); past it
     # the call fails naming the method and the ranks that did not answer.
     dispatch_timeout_s: float = 3600.0
+    # Complete checkpoints kept under default_local_dir (None: all); after each save the oldest beyond this many are
+    # removed, never the one just written. With save_freq > 0 the final step is always saved as well.
+    max_checkpoints_to_keep: int | None = None
 
 
 @dataclass

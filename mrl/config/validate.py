@@ -3,9 +3,12 @@
 A rule is a function `cfg -> iterable of Violation`, registered with `@rule`. `validate` runs all of them and
 raises one `ConfigError` listing every violation, each naming the setting, its value and the rule, so that a bad
 recipe is fixed in one round rather than discovered as a hang or a late crash on a cluster. Later features add
-their rules here (or in their own module, with `@rule`), never as scattered asserts.
+their rules here (or in their own module, with `@rule`), never as scattered asserts. Rules on single fields, keys,
+replica placement, data files and free-form dict keys are in `mrl/config/field_rules.py`; the command line prints
+each violation as one `mrl: <setting>=<value>: <rule>` line (`ConfigError.lines`, mrl/cli.py).
 """
 
+import contextvars
 import importlib.util
 import json
 import os
@@ -41,6 +44,10 @@ class ConfigError(ValueError):
         lines = "\n".join(f"  - {v}" for v in violations)
         super().__init__(f"invalid configuration ({len(violations)} problem(s)):\n{lines}")
 
+    def lines(self) -> list[str]:
+        """The command line's form: one `mrl: <setting>=<value>: <rule>` line per violation."""
+        return [f"mrl: {v}" for v in self.violations]
+
 
 Rule = Callable[[Any, bool], Iterable[Violation]]
 RULES: list[Rule] = []
@@ -51,11 +58,16 @@ def rule(fn: Rule) -> Rule:
     return fn
 
 
-def validate(cfg: DictConfig | Any, check_paths: bool = True) -> None:
-    """Raise ConfigError if any rule fails. `check_paths=False` for planning recipes whose model is not here."""
+def validate(cfg: DictConfig | Any, check_paths: bool = True, model_config: dict[str, Any] | None = None) -> None:
+    """Raise ConfigError if any rule fails. `check_paths=False` for planning recipes whose model is not here;
+    `model_config` (an HF config dict) then stands in for the model folder's config.json in the shape rules."""
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.structured(cfg)
-    violations = [v for r in RULES for v in r(cfg, check_paths)]
+    token = _PLANNED_MODEL.set(model_config)
+    try:
+        violations = [v for r in RULES for v in r(cfg, check_paths)]
+    finally:
+        _PLANNED_MODEL.reset(token)
     if violations:
         raise ConfigError(violations)
 
@@ -140,7 +152,8 @@ def _megatron_layout(cfg: DictConfig, _: bool) -> Iterator[Violation]:
                             f"TP×PP×CP = {tp}×{pp}×{cp} must divide the trainer's devices "
                             f"(resources.nnodes × resources.n_gpus_per_node = {world})")
         etp = _get(cfg, f"{m}.expert_tensor_parallel_size") or tp
-        if (world // pp) % (ep * etp):
+        tp_named = world % (tp * pp * cp) and _get(cfg, f"{m}.expert_tensor_parallel_size") is None
+        if (world // pp) % (ep * etp) and not tp_named:  # an ETP inherited from a bad TP is that TP's line
             yield Violation(f"{m}.expert_model_parallel_size", ep,
                             f"EP×ETP = {ep}×{etp} must divide the devices of one pipeline stage ({world // pp})")
         vpp = _get(cfg, f"{m}.virtual_pipeline_model_parallel_size")
@@ -184,13 +197,7 @@ def _trainer_roles(cfg: DictConfig, _: bool) -> Iterator[Violation]:
     if critic and (mini < 1 or batch % mini):
         yield Violation("critic.ppo_mini_batch_size", mini,
                         f"must divide data.train_batch_size={batch} (the critic's updates per step)")
-    replicas = _get(cfg, "rollout.num_replicas")
-    footprint = (_get(cfg, "rollout.tensor_model_parallel_size") * _get(cfg, "rollout.data_parallel_size")
-                 * _get(cfg, "rollout.pipeline_model_parallel_size"))
-    if _get(cfg, "rollout.mode") == "hybrid" and replicas * footprint > trainer_world_size(cfg):
-        yield Violation("rollout.num_replicas", replicas,
-                        f"{replicas} hybrid replicas of {footprint} devices exceed the trainer's "
-                        f"{trainer_world_size(cfg)} device slots")
+    # where the replicas go: mrl/config/placement.py, shared with mrl plan and the build (field_rules.py)
 
 
 KL_CONTROLLERS = ("fixed", "adaptive")
@@ -280,7 +287,7 @@ def _optimizers(cfg: DictConfig, _: bool) -> Iterator[Violation]:
         o = f"{role}.optim"
         lr, min_lr = _get(cfg, f"{o}.lr"), _get(cfg, f"{o}.min_lr")
         yield from _at_least(cfg, f"{o}.lr", 0.0)
-        if min_lr < 0 or min_lr > lr:
+        if lr >= 0 and (min_lr < 0 or min_lr > lr):  # a negative lr is its own line
             yield Violation(f"{o}.min_lr", min_lr, f"must be in [0, {o}.lr={lr}]")
         yield from _at_least(cfg, f"{o}.weight_decay", 0.0)
         yield from _at_least(cfg, f"{o}.clip_grad", 0.0)
@@ -289,7 +296,7 @@ def _optimizers(cfg: DictConfig, _: bool) -> Iterator[Violation]:
         betas = list(_get(cfg, f"{o}.betas"))
         if not all(0.0 <= b < 1.0 for b in betas):
             yield Violation(f"{o}.betas", betas, "Adam's betas must each be in [0, 1)")
-    for path in ("actor.clip_ratio_low", "actor.clip_ratio_high", "actor.kl_loss_coef", "critic.cliprange_value"):
+    for path in ("actor.clip_ratio_high", "actor.kl_loss_coef", "critic.cliprange_value"):  # clip_ratio_low: RANGES
         yield from _at_least(cfg, path, 0.0)
     c = _get(cfg, "actor.clip_ratio_c")
     if c <= 1.0:
@@ -343,8 +350,15 @@ def _run_and_rollout_ranges(cfg: DictConfig, check_paths: bool) -> Iterator[Viol
 
 
 # ---- rules that need the model's config.json (start-up, before any worker) -------------------------------------
+# `mrl plan` checks a recipe whose model is not here against the config it plans with (a built-in shape).
+_PLANNED_MODEL: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("planned", default=None)
+
+
 def hf_config(cfg: DictConfig, check_paths: bool) -> dict[str, Any] | None:
-    """The model folder's config.json as a dict, when paths are checked and it is there."""
+    """The model folder's config.json as a dict, when paths are checked and it is there (or the config
+    `validate(model_config=...)` was given)."""
+    if _PLANNED_MODEL.get() is not None:
+        return _PLANNED_MODEL.get()
     path = os.path.join(str(_get(cfg, "model.path") or ""), "config.json")
     if not check_paths or not os.path.isfile(path):
         return None
@@ -359,6 +373,50 @@ def _num_experts(hf: dict[str, Any]) -> int:
     return 0
 
 
+def pipeline_split_problem(layers: int, pp: int, vpp: int | None, overrides: Any) -> str | None:
+    """Megatron's rule for splitting `layers` over PP stages (× VPP chunks), with its uneven split: the first
+    and last stages may hold `num_layers_in_first/last_pipeline_stage` layers (override_transformer_config)
+    and the middle stages split the rest evenly."""
+    if pp < 1:
+        return None
+    chunks = vpp or 1
+    ends = [overrides.get(f"num_layers_in_{end}_pipeline_stage") for end in ("first", "last")]
+    if all(n is None for n in ends):
+        if layers % (pp * chunks):
+            return f"PP × VPP = {pp * chunks} model chunks must divide the model's {layers} layers"
+        return None
+    middle_layers = layers - sum(n for n in ends if n is not None)
+    middle_stages = pp - sum(n is not None for n in ends)
+    given = ", ".join(f"num_layers_in_{end}_pipeline_stage={n}" for end, n in zip(("first", "last"), ends)
+                      if n is not None)
+    if any(n is not None and (n < 1 or n % chunks) for n in ends) or bool(middle_layers) != bool(middle_stages) \
+            or (middle_stages and (middle_layers % middle_stages or middle_layers // middle_stages % chunks)):
+        return (f"with {given}, the other {middle_layers} of the model's {layers} layers must split evenly over "
+                f"the {middle_stages} middle stage(s) (each stage's layers a multiple of VPP = {chunks})")
+    return None
+
+
+def layout_shape_problems(hf: dict[str, Any], tp: int, pp: int, vpp: int | None, ep: int,
+                          overrides: Any = None) -> Iterator[tuple[str, str]]:
+    """(layout knob, rule) for each way a Megatron layout does not fit the model's HF config: TP over heads,
+    key-value heads and the vocabulary (Megatron splits embedding rows evenly, no padding here), PP × VPP over
+    layers, EP over routed experts. Shared by the start-up rules and `mrl convert`."""
+    heads = int(hf.get("num_attention_heads", 1))
+    kv_heads = int(hf.get("num_key_value_heads") or heads)
+    layers, experts, vocab = int(hf.get("num_hidden_layers", 1)), _num_experts(hf), hf.get("vocab_size")
+    if tp >= 1 and (heads % tp or kv_heads % tp):
+        yield "tensor_model_parallel_size", (f"must divide the model's attention heads ({heads}) and key-value "
+                                             f"heads ({kv_heads})")
+    elif tp > 1 and vocab and vocab % tp:
+        yield "tensor_model_parallel_size", f"must divide the model's vocabulary ({vocab} tokens)"
+    split = pipeline_split_problem(layers, pp, vpp, overrides or {})
+    if split and not (pp == 1 and (vpp or 1) > 1):  # VPP without PP: its own line
+        yield "pipeline_model_parallel_size", split
+    if ep > 1 and (experts == 0 or experts % ep):
+        yield "expert_model_parallel_size", (f"must divide the model's routed experts ({experts})" if experts else
+                                             "the model has no experts (dense): expert parallel needs an MoE model")
+
+
 @rule
 def _model_shape(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
     hf = hf_config(cfg, check_paths)
@@ -371,24 +429,14 @@ def _model_shape(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
         if arch not in architectures():
             yield Violation("model.path", _get(cfg, "model.path"), f"its architecture {arch!r} has no bridge; "
                                                                     f"known: {', '.join(architectures())}")
-    heads = int(hf.get("num_attention_heads", 1))
-    kv_heads = int(hf.get("num_key_value_heads") or heads)
-    layers, experts = int(hf.get("num_hidden_layers", 1)), _num_experts(hf)
+    heads, experts = int(hf.get("num_attention_heads", 1)), _num_experts(hf)
     for role in ENGINE_ROLES:
         m = f"{role}.megatron"
-        tp, pp, ep = (_get(cfg, f"{m}.{k}") for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                                                      "expert_model_parallel_size"))
-        if tp >= 1 and (heads % tp or kv_heads % tp):
-            yield Violation(f"{m}.tensor_model_parallel_size", tp, f"must divide the model's attention heads "
-                                                                  f"({heads}) and key-value heads ({kv_heads})")
-        stages = pp * (_get(cfg, f"{m}.virtual_pipeline_model_parallel_size") or 1)
-        if pp >= 1 and layers % stages:
-            yield Violation(f"{m}.pipeline_model_parallel_size", pp,
-                            f"PP × VPP = {stages} model chunks must divide the model's {layers} layers")
-        if ep > 1 and (experts == 0 or experts % ep):
-            yield Violation(f"{m}.expert_model_parallel_size", ep,
-                            f"must divide the model's routed experts ({experts})" if experts else
-                            "the model has no experts (dense): expert parallel needs an MoE model")
+        tp, pp, vpp, ep = (_get(cfg, f"{m}.{k}") for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                                           "virtual_pipeline_model_parallel_size",
+                                                           "expert_model_parallel_size"))
+        for knob, why in layout_shape_problems(hf, tp, pp, vpp, ep, _get(cfg, f"{m}.override_transformer_config")):
+            yield Violation(f"{m}.{knob}", _get(cfg, f"{m}.{knob}"), why)
         if experts and tp > 1 and not _get(cfg, f"{m}.sequence_parallel"):
             yield Violation(f"{m}.sequence_parallel", False, "Megatron needs sequence parallel for MoE with TP > 1")
     rollout_tp = _get(cfg, "rollout.tensor_model_parallel_size")
@@ -501,3 +549,7 @@ def _rollout_correction(cfg: DictConfig, _: bool) -> Iterator[Violation]:
                         "algorithm.rollout_correction weighs π_old against π_rollout; in bypass mode π_old is the "
                         "rollout's log-probs, so every weight is 1: set rollout.recompute_old_log_prob=true or turn "
                         "the correction off")
+
+
+# Rules on single fields, keys and what lies beside the config register themselves on import.
+from mrl.config import field_rules  # noqa: E402, F401

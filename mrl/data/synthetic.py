@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from mrl.reward.registry import exact_match_reward  # the task's reward, registered by its DATA_SOURCE
 
 DATA_SOURCE = "mrl/reverse_digits"
 # 4 special tokens + 256 byte-level symbols: a BPE trained to this size learns no merges.
@@ -42,11 +43,6 @@ def reverse_rows(length: int, n_train: int, n_val: int, seed: int) -> tuple[list
     train = [row(i, s, "train") for i, s in enumerate(ordered[:n_train])]
     val = [row(i, s, "val") for i, s in enumerate(ordered[n_train:])]
     return train, val
-
-
-def exact_match_reward(solution_str: str, ground_truth: Any, extra_info: Mapping[str, Any] | None = None) -> float:
-    """1.0 iff the response is exactly the answer (surrounding whitespace ignored), else 0.0."""
-    return 1.0 if solution_str.strip() == str(ground_truth).strip() else 0.0
 
 
 def char_tokenizer(out_dir: str | Path | None = None) -> Any:

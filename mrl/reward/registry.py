@@ -40,6 +40,12 @@ def boxed_math_reward(solution_str: str, ground_truth: Any, extra_info: Mapping[
     return _score(matches_any(last_boxed(solution_str), ground_truth))
 
 
+@REWARD_FNS.register("exact_match", "mrl/reverse_digits")  # the demo's task (mrl/data/synthetic.py)
+def exact_match_reward(solution_str: str, ground_truth: Any, extra_info: Mapping[str, Any] | None = None) -> float:
+    """1.0 iff the response is exactly the answer (surrounding whitespace ignored), else 0.0."""
+    return 1.0 if solution_str.strip() == str(ground_truth).strip() else 0.0
+
+
 @REWARD_FNS.register("think_format")
 def think_format_reward(solution_str: str, ground_truth: Any, extra_info: Mapping[str, Any] | None = None) -> float:
     """1 if the response is one `<think>…</think>` block followed by an answer, else 0 (ground truth unused)."""

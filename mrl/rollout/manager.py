@@ -24,6 +24,7 @@ from typing import Any
 import ray
 import torch
 
+from mrl.config.placement import replica_count  # the start-up rules and mrl plan place replicas the same way
 from mrl.rollout.client import (
     FaultPolicy,
     FullyAsyncLLMServerClient,
@@ -40,15 +41,6 @@ from rollout_adapters.base import WAKE_ORDER
 from rollout_adapters.buckets import DEFAULT_BUCKET_BYTES, pack_buckets
 
 log = logging.getLogger(__name__)
-
-
-def replica_count(num_devices: int, footprint_devices: int) -> int:
-    if num_devices < footprint_devices or num_devices % footprint_devices:
-        raise ValueError(
-            f"rollout devices ({num_devices}) must be a positive multiple of the replica footprint "
-            f"TP×DP×PP = {footprint_devices}"
-        )
-    return num_devices // footprint_devices
 
 
 class _BalancerActor(LoadBalancer):

@@ -15,6 +15,7 @@ from typing import Any
 
 import ray
 
+from mrl.config.passthrough import require_engine_kwargs
 from mrl.rollout.bursts import serve_many
 from mrl.weight_sync import report_failure
 from rollout_adapters.base import RolloutAdapter, TokenOutput, adapter_class
@@ -59,6 +60,8 @@ class RolloutServer:
         """Create the engine; returns seconds taken (vLLM on 2 CPU cores: 30-75 s)."""
         start = time.monotonic()
         restore_niceness()  # this thread spawns the engine's processes, which inherit its niceness
+        # Checked at start-up where the engine is installed; here it is (a GPU node's engine, say).
+        require_engine_kwargs(self.backend, self.adapter_kwargs.get("engine_kwargs") or {})
         self.adapter = adapter_class(self.backend)(self.model_path, **self.adapter_kwargs)
         await self.adapter.start()
         return time.monotonic() - start

@@ -174,8 +174,39 @@ def steps_from_args(args: argparse.Namespace) -> list[ToMegatron | ToHF]:
     return [ToHF(args.checkpoint, args.out, layout, args.hf_config, args.dtype)]
 
 
+def check_steps(steps: list[ToMegatron | ToHF]) -> None:
+    """Every mistake a step's arguments can hold, before any process starts: one `ConfigError` naming each
+    argument (a folder without config.json, a layout size below 1 or one the model's shape does not split into,
+    an unknown dtype)."""
+    from mrl.config.validate import ConfigError, Violation, layout_shape_problems
+
+    flags = {"tensor_model_parallel_size": "--tp", "pipeline_model_parallel_size": "--pp",
+             "expert_model_parallel_size": "--ep"}
+    problems = []
+    for step in steps:
+        source, where = (("hf", step.hf) if isinstance(step, ToMegatron)
+                         else ("--hf-config", step.hf_config or str(Path(step.checkpoint) / HF_CONFIG_DIR)))
+        if isinstance(step, ToHF) and not Path(step.checkpoint).is_dir():
+            problems.append(Violation("checkpoint", step.checkpoint, "no such folder"))
+        config = Path(where) / "config.json"
+        if not config.is_file():
+            problems.append(Violation(source, where, "no config.json there: pass the run's HF model folder"
+                                      + (" with --hf-config" if source != "hf" else "")))
+        if step.dtype is not None and step.dtype not in ("float32", "bfloat16", "float16"):
+            problems.append(Violation("--dtype", step.dtype, "must be one of float32, bfloat16, float16"))
+        sizes = {f"--{k}": getattr(step.layout, k) for k in ("tp", "pp", "ep", "etp", "vpp")}
+        problems += [Violation(flag, n, "must be >= 1") for flag, n in sizes.items() if n is not None and n < 1]
+        if config.is_file() and not problems:
+            lay = step.layout
+            for knob, why in layout_shape_problems(json.loads(config.read_text()), lay.tp, lay.pp, lay.vpp, lay.ep):
+                problems.append(Violation(flags[knob], getattr(lay, flags[knob][2:]), why))
+    if problems:
+        raise ConfigError(problems)
+
+
 def run(args: argparse.Namespace) -> int:
     steps = steps_from_args(args)
+    check_steps(steps)
     execute(steps, timeout_s=args.timeout_s)
     print(f"wrote {steps[0].out}")
     return 0

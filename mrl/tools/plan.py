@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from mrl.config.loader import load_config
+from mrl.config.placement import rollout_placement
 from mrl.config.validate import ConfigError, validate
 from mrl.tools.memory import GiB, MemoryEstimate, estimate
 from mrl.tools.model_shape import ModelShape, resolve_model_config, shape_from_config
@@ -69,6 +69,7 @@ class Plan:
     memory: MemoryEstimate
     problems: list[str] = field(default_factory=list)  # the recipe cannot start
     notes: list[str] = field(default_factory=list)  # it starts, but something is worth knowing
+    peak: str = ""  # what a device holds at its peak, and whether the training and rollout phases alternate
 
     @property
     def can_start(self) -> bool:
@@ -82,9 +83,8 @@ def accounting(cfg: DictConfig, shape: ModelShape) -> Accounting:
     training = res.nnodes * res.n_gpus_per_node
     standalone = r.mode == "standalone"
     extra = r.nnodes * r.n_gpus_per_node if standalone else 0
-    rollout_devices = extra if standalone else training
-    footprint = r.tensor_model_parallel_size * r.data_parallel_size * r.pipeline_model_parallel_size
-    replicas = r.num_replicas or rollout_devices // footprint
+    placement = rollout_placement(cfg)  # the same function places the replicas at start-up
+    rollout_devices, footprint, replicas = placement.pool_devices, placement.footprint, placement.replicas
     dp = max(training // (m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size), 1)
     updates = batch / mini * a.ppo_epochs
     per_device = mini * n / dp
@@ -122,12 +122,10 @@ def _check(cfg: DictConfig, acc: Accounting, mem: MemoryEstimate, problems: list
     train = mem.training_total
     rollout = mem.rollout
     assert rollout is not None
-    if acc.rollout_replicas < 1 or acc.rollout_replicas * acc.rollout_replica_devices > acc.rollout_devices:
-        problems.append(f"rollout: {max(acc.rollout_replicas, 1)} replica(s) of {acc.rollout_replica_devices} devices "
-                        f"(TP × DP × PP) need more than the rollout's {acc.rollout_devices} devices")
-    elif acc.rollout_devices % acc.rollout_replica_devices:
-        notes.append(f"rollout: {acc.rollout_devices % acc.rollout_replica_devices} of {acc.rollout_devices} "
-                     "rollout devices hold no replica")
+    # Replicas that cannot be placed are a start-up rule (mrl/config/placement.py), listed with the config's.
+    if acc.rollout_replicas * acc.rollout_replica_devices < acc.rollout_devices:
+        notes.append(f"rollout: {acc.rollout_devices - acc.rollout_replicas * acc.rollout_replica_devices} of "
+                     f"{acc.rollout_devices} rollout devices hold no replica (rollout.num_replicas)")
     if train > device:
         problems.append(f"memory: the training phase needs {train / GiB:.1f} GiB per device, the device has "
                         f"{device / GiB:.0f} GiB (raise TP/PP/EP, shard the optimizer, recompute activations or "
@@ -159,18 +157,40 @@ def make_plan(recipe: str, overrides: list[str] | None = None, *, device_gib: fl
     that can still be computed is shown."""
     cfg = load_config(recipe, overrides, check=False)
     problems: list[str] = []
-    try:
-        validate(cfg, check_paths=False)
+    config, source = resolve_model_config(cfg.model.path, model_config)
+    try:  # the model-shape rules (TP vs heads, PP vs layers, ...) run against the config planned with
+        validate(cfg, check_paths=False, model_config=config)
     except ConfigError as err:
         problems += [f"config: {v}" for v in err.violations]
-    config, source = resolve_model_config(cfg.model.path, model_config)
     shape = shape_from_config(config)
     acc = accounting(cfg, shape)
     mem = estimate(cfg, shape, device_gib, rollout_overhead_gib)
     name = Path(cfg.model.path.rstrip("/")).name
-    plan = Plan(recipe, name, source, shape.total_params, shape.active_params, acc, mem, problems)
+    plan = Plan(recipe, name, source, shape.total_params, shape.active_params, acc, mem, problems,
+                peak=_phases(cfg, mem))
     _check(cfg, acc, mem, plan.problems, plan.notes)
     return plan
+
+
+def _per_replica(a: Accounting) -> str:
+    """Requests per replica as whole numbers: `5` or `5-6` when they do not divide evenly."""
+    if a.rollout_replicas < 1:
+        return "no replica:"
+    low, rest = divmod(a.rollout_requests, a.rollout_replicas)
+    return f"{low}-{low + 1}" if rest else str(low)
+
+
+def _phases(cfg: DictConfig, mem: MemoryEstimate) -> str:
+    """What a device holds at its peak: hybrid replicas sleep while the trainer works, so the two phases
+    alternate; a resident (free_cache_engine=false) or colocated engine keeps its reserve through training."""
+    train, reserve = mem.training_total, mem.rollout.reserved if mem.rollout else 0.0
+    r = cfg.rollout
+    if r.mode == "standalone":
+        return f"  peak per training device            {_gib(train)} (the rollout has its own devices)"
+    if r.mode == "hybrid" and r.free_cache_engine:
+        return (f"  peak per device                     {_gib(max(train, reserve))} (hybrid: training and rollout "
+                "phases alternate, the rollout sleeps while the trainer works)")
+    return f"  peak per device                     {_gib(train + reserve)} (training + the resident rollout reserve)"
 
 
 def _gib(x: float) -> str:
@@ -188,7 +208,7 @@ def render(plan: Plan) -> str:
         + (f" (up to {a.max_rollout_requests} with dynamic sampling)" if a.max_rollout_requests > a.rollout_requests
            else ""),
         f"  rollout replicas                  {a.rollout_replicas} = {a.rollout_devices} devices / "
-        f"{a.rollout_replica_devices} (TP x DP x PP); {a.requests_per_replica:.1f} requests each",
+        f"{a.rollout_replica_devices} (TP x DP x PP); {_per_replica(a)} requests each",
         f"  actor mini-batch (M x n samples)  {a.mini_batch_samples}",
         f"  updates per step (B/M x epochs)   {a.updates_per_step:g}",
         f"  samples per device per update     {a.samples_per_device_per_update:g} (actor DP={a.actor_dp})"
@@ -208,6 +228,7 @@ def render(plan: Plan) -> str:
     if (r := mem.rollout) is not None:
         lines.append(f"  rollout reserve {_gib(r.reserved)}: weights {_gib(r.weights)}, runtime {_gib(r.overhead)},"
                      f" KV cache {_gib(r.kv_cache)} = {r.kv_tokens} tokens, {r.sequences_in_kv} full sequences")
+    lines += [plan.peak] if plan.peak else []
     lines += [f"CANNOT START: {p}" for p in plan.problems] + [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
 
@@ -232,11 +253,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        plan = make_plan(args.recipe, args.overrides, device_gib=args.device_memory_gib,
-                         rollout_overhead_gib=args.rollout_overhead_gib, model_config=args.model_config)
-    except FileNotFoundError as err:
-        print(err, file=sys.stderr)
-        return 2
+    plan = make_plan(args.recipe, args.overrides, device_gib=args.device_memory_gib,  # errors: mrl/cli.py
+                     rollout_overhead_gib=args.rollout_overhead_gib, model_config=args.model_config)
     print(json.dumps(to_json(plan), indent=2) if args.json else render(plan))
     return 0 if plan.can_start else 1

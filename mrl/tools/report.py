@@ -10,10 +10,13 @@ one JSON object per line with `step` and flat metric keys. The keys drawn:
 | response length | `response_length/mean` (and `response_length/max`, `response_length/min` when present) |
 | time per step | every `timing_s/<stage>` but `timing_s/step`, stacked; `timing_s/step` as the total line |
 | rollout vs training | `rollout/logprob_mismatch` (mean exp(abs(Δ log p)), DESIGN.md's bf16 bound 1.05 drawn) |
-| throughput | `perf/tokens_per_s_per_gpu`; `perf/mfu` on the right axis |
+| throughput | `perf/tokens_per_s_per_gpu` |
+| MFU | `perf/mfu` (its own panel: on a twin axis one curve hid the other) |
 | peak memory | every `memory/<kind>_gib/<phase>` (CUDA peak allocated or CPU peak RSS per worker phase) |
 
-`reward` is timed inside `gen` (the trainer scores while it samples), so the stacked gen bar leaves it out.
+`reward` is timed inside `gen` (the trainer scores while it samples), so the stacked gen bar leaves it out. The
+first step also compiles and warms caches: when it is far longer than the others, the time axis is scaled to the
+later steps and the first step's total is written on its clipped bar, so it does not flatten the stage bars.
 A record without a key is skipped for that key (validation-only records carry no reward, for example); a panel
 with no data says which key it looked for. Needs matplotlib (`pip install matplotlib`).
 """
@@ -23,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -109,7 +111,18 @@ def _timing(ax: Any, records: list[dict[str, Any]]) -> bool:
     if totals:
         ax.plot(total_steps, totals, "k-", linewidth=1, label="step")
     ax.legend(fontsize=7, ncol=2)
+    _clip_warm_up(ax, steps, bottom)
     return True
+
+
+def _clip_warm_up(ax: Any, steps: list[Any], heights: list[float], factor: float = 1.5) -> None:
+    """Scale the axis to the steps after the first when the first (warm-up) is over `factor` × their peak."""
+    if len(heights) < 3:
+        return
+    rest = max(heights[1:])
+    if rest > 0 and heights[0] > factor * rest:
+        ax.set_ylim(0, 1.15 * rest)
+        ax.annotate(f"{heights[0]:.0f} s (warm-up, clipped)", (steps[0], 1.1 * rest), fontsize=7, ha="left")
 
 
 def _mismatch(ax: Any, records: list[dict[str, Any]]) -> bool:
@@ -122,49 +135,52 @@ def _mismatch(ax: Any, records: list[dict[str, Any]]) -> bool:
     return True
 
 
-def _throughput(ax: Any, records: list[dict[str, Any]]) -> bool:
-    steps, values = series(records, THROUGHPUT)
-    mfu_steps, mfu = series(records, MFU)
-    if not steps and not mfu_steps:
-        return False
+def _percent(ax: Any, records: list[dict[str, Any]], key: str) -> bool:
+    steps, values = series(records, key)
     if steps:
-        ax.plot(steps, values, label=THROUGHPUT)
-        ax.set_ylabel("tokens/s per device")
-        ax.legend(fontsize=8, loc="upper left")
-    if mfu_steps:
-        right = ax.twinx()
-        right.plot(mfu_steps, [100 * v for v in mfu], color="tab:orange", linestyle="--", label=MFU)
-        right.set_ylabel("MFU (%)")
-        right.legend(fontsize=8, loc="upper right")
-    return True
+        ax.plot(steps, [100 * v for v in values], label=key)
+        ax.legend(fontsize=8)
+    return bool(steps)
 
 
-def render(records: list[dict[str, Any]], out: str | Path, *, title: str = "", dpi: int = 120) -> list[str]:
-    """Write the PNG; return the keys of the panels that had no data."""
+def draw(records: list[dict[str, Any]], *, title: str = "", dpi: int = 120) -> tuple[Any, list[str]]:
+    """The figure of the panels, and the keys of the panels that had no data."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no display backend
+    from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(12, 11), dpi=dpi, layout="constrained")
-    axes = fig.subplots(3, 2)
-    panels = [
-        (axes[0][0], "reward", REWARD, lambda ax: _reward(ax, records)),
-        (axes[0][1], "response length (tokens)", LENGTH,
+    fig = Figure(figsize=(12, 14), dpi=dpi, layout="constrained")
+    axes = fig.subplots(4, 2)
+    panels = [  # (axis, title, y label, key looked for, drawing)
+        (axes[0][0], "reward", "score / accuracy", REWARD, lambda ax: _reward(ax, records)),
+        (axes[0][1], "response length", "tokens", LENGTH,
          lambda ax: _lines(ax, records, [LENGTH, "response_length/max", "response_length/min"])),
-        (axes[1][0], "time per step (s)", "timing_s/*", lambda ax: _timing(ax, records)),
-        (axes[1][1], "log-prob mismatch, rollout vs training", MISMATCH, lambda ax: _mismatch(ax, records)),
-        (axes[2][0], "throughput", THROUGHPUT, lambda ax: _throughput(ax, records)),
-        (axes[2][1], "peak memory per phase (GiB)", "memory/*",
+        (axes[1][0], "time per step", "seconds", "timing_s/*", lambda ax: _timing(ax, records)),
+        (axes[1][1], "log-prob mismatch, rollout vs training", "mean exp(|Δ log p|)", MISMATCH,
+         lambda ax: _mismatch(ax, records)),
+        (axes[2][0], "throughput", "tokens/s per device", THROUGHPUT, lambda ax: _lines(ax, records, [THROUGHPUT])),
+        (axes[2][1], "model FLOPs utilisation", "MFU (%)", MFU, lambda ax: _percent(ax, records, MFU)),
+        (axes[3][0], "peak memory per phase", "GiB", "memory/*",
          lambda ax: _lines(ax, records, _keys(records, "memory/"))),
     ]
+    axes[3][1].set_axis_off()
     missing = []
-    for ax, label, key, draw in panels:
+    for ax, label, ylabel, key, draw in panels:
         ax.set_title(label)
         ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         ax.grid(alpha=0.3)
         if not draw(ax):
             _empty(ax, key)
             missing.append(key)
     if title:
         fig.suptitle(title)
+    return fig, missing
+
+
+def render(records: list[dict[str, Any]], out: str | Path, *, title: str = "", dpi: int = 120) -> list[str]:
+    """Write the PNG; return the keys of the panels that had no data."""
+    fig, missing = draw(records, title=title, dpi=dpi)
     fig.savefig(out, format="png")
     return missing
 
@@ -179,9 +195,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     path = metrics_file(args.run_dir)
     if not path.is_file():
-        print(f"no metrics file at {path} (the trainer's jsonl logger writes <default_local_dir>/metrics.jsonl)",
-              file=sys.stderr)
-        return 2
+        from mrl.config.validate import ConfigError, Violation
+
+        raise ConfigError([Violation("run_dir", str(path), "no metrics file there (the trainer's jsonl logger "
+                                                           "writes <default_local_dir>/metrics.jsonl)")])
     records = load_records(path)
     out = Path(args.out) if args.out else path.parent / "report.png"
     steps = [r["step"] for r in records if "step" in r]

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from mrl.config.placement import rollout_placement
 from mrl.config.schema import MrlConfig
 from mrl.controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from mrl.data.datasets import RLDataset
@@ -69,9 +71,21 @@ def make_run_logger(c: MrlConfig) -> RunLogger:
                      config=OmegaConf.to_container(OmegaConf.structured(c)))  # type: ignore[arg-type]
 
 
+class StartupProgress:
+    """`[mrl] <stage> (<seconds since start-up began> s)` lines: the minute between Ray's start and step 0 is the
+    workers' start, Megatron's build and weight load, and the engines' start, and says so as each one ends."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+
+    def __call__(self, what: str) -> None:
+        print(f"[mrl] {what} ({time.monotonic() - self.start:.1f} s)", flush=True)
+
+
 def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) -> PPOTrainer:
     from transformers import AutoTokenizer
 
+    progress = StartupProgress()
     c = typed(cfg)
     tokenizer_path = c.model.tokenizer_path or c.model.path
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
@@ -83,6 +97,8 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
     # Before any worker gets the config: the engines size their LR schedules by the run length (prompts counted
     # after the drop).
     c = replace(c, trainer=replace(c.trainer, total_training_steps=resolve_run_length(c, train_data)))
+    progress(f"data: {len(train_data)} training prompts" + (f", {len(val_data)} held out" if val_data else "")
+             + f"; {c.trainer.total_training_steps} steps")
     hybrid = c.rollout.mode == "hybrid"
     use_gpu = torch.cuda.is_available() if c.trainer.device == "auto" else c.trainer.device == "cuda"
     pool = RayResourcePool(
@@ -105,14 +121,15 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
         engines_ready.append(critic.init_model())
     spec = rollout_spec(c)
     policy = c.rollout  # its retry, health-check and time-limit knobs
-    slots = c.rollout.num_replicas * spec.footprint.devices or None
-    if hybrid:
-        rollout = LLMServerManager.create(spec, "hybrid", pool=pool, num_devices=slots, policy=policy)
-    else:
-        own_slots = c.rollout.nnodes * c.rollout.n_gpus_per_node
-        rollout = LLMServerManager.create(spec, c.rollout.mode, num_devices=slots or own_slots, policy=policy)
+    placement = rollout_placement(c)  # checked at start-up by the same function (mrl/config/placement.py)
+    progress(f"started {actor_rollout.world_size} training worker(s); starting {placement.replicas} {c.rollout.name} "
+             f"replica(s) of {placement.footprint} device(s) while Megatron builds and loads the weights")
+    rollout = LLMServerManager.create(spec, c.rollout.mode, pool=pool if hybrid else None,
+                                      num_devices=placement.devices, policy=policy)
+    progress(f"rollout replicas serving ({c.rollout.name})")
     for ready in engines_ready:
         ready.get()
+    progress("Megatron engines built, weights loaded" + (" (actor and critic)" if critic is not None else ""))
     actor_rollout.set_rollout(rollout)
     agent_loops = AgentLoopManager(
         c.rollout.agent_loop_workers, tokenizer_path, rollout.balancer, c.rollout.agent_loop,
@@ -135,6 +152,7 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
         critic=critic,
     )
     parts.pool = pool  # type: ignore[attr-defined]
+    progress(f"agent loops ready ({c.rollout.agent_loop_workers} worker(s)); training starts")
     return trainer_class(c.trainer.mode)(c, parts, logger or make_run_logger(c))
 
 

@@ -23,6 +23,11 @@ STEP_DIR = re.compile(r"^global_step_(\d+)$")
 RESUME_KEYWORDS = ("disable", "auto")
 
 
+def due(step: int, save_freq: int, total_steps: int | None) -> bool:
+    """Whether step `step` saves: every `save_freq` steps (-1: never) and the run's final step."""
+    return save_freq > 0 and (step % save_freq == 0 or step == total_steps)
+
+
 def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"global_step_{step}")
 
@@ -31,15 +36,30 @@ def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, COMPLETE))
 
 
+def complete_checkpoints(root: str) -> list[str]:
+    """The complete `global_step_N` folders under `root`, oldest (smallest N) first."""
+    if not os.path.isdir(root):
+        return []
+    steps = sorted((int(m.group(1)), name) for name in os.listdir(root) if (m := STEP_DIR.match(name)))
+    return [os.path.join(root, name) for _, name in steps if is_complete(os.path.join(root, name))]
+
+
 def latest_checkpoint(root: str) -> str | None:
     """The complete `global_step_N` folder with the largest N under `root`, or None."""
-    if not os.path.isdir(root):
-        return None
-    steps = [(int(m.group(1)), name) for name in os.listdir(root) if (m := STEP_DIR.match(name))]
-    for _, name in sorted(steps, reverse=True):
-        if is_complete(os.path.join(root, name)):
-            return os.path.join(root, name)
-    return None
+    found = complete_checkpoints(root)
+    return found[-1] if found else None
+
+
+def prune(root: str, keep: int | None, current: str) -> list[str]:
+    """Remove the oldest complete checkpoints beyond `keep` (None: keep all), never `current` (the one just
+    written); incomplete folders are left to `staging_dir` and the next save. Returns the folders removed."""
+    if keep is None:
+        return []
+    older = [p for p in complete_checkpoints(root) if os.path.abspath(p) != os.path.abspath(current)]
+    doomed = older[: max(len(older) - (keep - 1), 0)]
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
 
 
 def resume_path(resume_mode: str, root: str) -> str | None:

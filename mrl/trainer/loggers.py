@@ -80,9 +80,10 @@ def _duration(seconds: float) -> str:
 
 
 class ConsoleLogger:
-    """One line per step: progress (step/total, bar, ETA from the mean step time so far), reward, response length,
-    validation accuracy when the step validated, log-prob mismatch, the main stage timings and throughput. The
-    full metric set goes to the file loggers; the console shows what a person watches."""
+    """One line per step: progress (step/total, bar, ETA from the mean time of the steps after the first),
+    reward, response length, validation accuracy when the step validated, log-prob mismatch, the main stage
+    timings and throughput. The full metric set goes to the file loggers; the console shows what a person
+    watches."""
 
     FIELDS = (
         ("reward/mean", "reward", "{:.3f}"),
@@ -129,7 +130,10 @@ class ConsoleLogger:
         if stages:
             parts.append(" ".join(stages))
         if self.total and self.step_seconds and step < self.total:
-            mean = sum(self.step_seconds) / len(self.step_seconds)
+            # The first step also compiles and warms caches (often twice a later step): leave it out once there
+            # is another to go by, or the ETA starts at double and shrinks for the whole run.
+            steady = self.step_seconds[1:] or self.step_seconds
+            mean = sum(steady) / len(steady)
             parts.append(f"ETA {_duration(mean * (self.total - step))}")
         if parts:
             text.append(" │ " + " │ ".join(parts))

@@ -1,16 +1,23 @@
-"""`mrl train RECIPE [overrides...]` / `python -m mrl.trainer.main`: compose, validate, build, fit."""
+"""`mrl train RECIPE [overrides...]` / `python -m mrl.trainer.main`: compose, validate, build, fit.
+
+Every start-up rule runs before Ray starts (a mistake is a `mrl:` line and exit 2, mrl/cli.py); then the start-up
+reports its stages with their seconds, and the run ends with one line saying where its outputs went.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+import time
+from typing import Any
 
 RAY_ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", nargs="?", default="tiny/grpo", help="recipes/<family>/<name> or a YAML path")
+    parser.add_argument("recipe", help="recipes/<family>/<name> or a YAML path (mrl config lists them)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. rollout.n=8 actor.optim.lr=1e-3")
     parser.add_argument("--ray-address", default=None, help="join a running Ray cluster (default: start one)")
     parser.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of a locally started Ray")
@@ -24,9 +31,30 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address)
         return
+    from mrl.utils.noise import quiet
+
     env = {**RAY_ENV, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
-             runtime_env={"env_vars": env})
+             runtime_env={"env_vars": env}, logging_level=logging.ERROR if quiet() else logging.INFO)
+
+
+def _duration(seconds: float) -> str:
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest} s" if minutes else f"{rest} s"
+
+
+def closing_line(c: Any, steps: int, seconds: float) -> str:
+    """Where the run's outputs are: the run folder and the files and checkpoints it holds."""
+    from mrl.trainer.checkpointing import complete_checkpoints
+
+    root = c.trainer.default_local_dir
+    found = [name for name in ("metrics.jsonl", "rollouts.jsonl", "tensorboard", "wandb")
+             if os.path.exists(os.path.join(root, name))]
+    checkpoints = complete_checkpoints(root)
+    saved = (f"checkpoints {', '.join(os.path.basename(p) for p in checkpoints)}" if checkpoints
+             else "no checkpoint (trainer.save_freq=-1)")
+    return (f"[mrl] done: {steps} steps in {_duration(seconds)}; run folder {root}: {', '.join(found) or 'no logs'}; "
+            f"{saved}; plot it with `mrl report {root}`")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,19 +62,22 @@ def run(args: argparse.Namespace) -> int:
     from mrl.trainer.build import build_trainer, shutdown
 
     cfg = load_config(args.recipe, list(args.overrides))
+    start = time.monotonic()
     init_ray(args.ray_address, args.num_cpus)
+    print(f"[mrl] Ray ready ({time.monotonic() - start:.1f} s)", flush=True)
     trainer = build_trainer(cfg)
     try:
         trainer.fit()
     finally:
         shutdown(trainer)
+    print(closing_line(trainer.config, trainer.global_steps, time.monotonic() - start), flush=True)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mrl.trainer.main")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    from mrl.cli import main as cli_main
+
+    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])  # the command line's error style
 
 
 if __name__ == "__main__":

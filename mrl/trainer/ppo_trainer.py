@@ -128,7 +128,7 @@ class PPOTrainer:
         if self.updates_all_skipped:
             print(f"[mrl] step {self.global_steps}: every actor update was skipped (NaN/Inf loss or gradients); "
                   "the rollout keeps the last good weights", flush=True)
-        if c.trainer.save_freq > 0 and self.global_steps % c.trainer.save_freq == 0:
+        if checkpointing.due(self.global_steps, c.trainer.save_freq, c.trainer.total_training_steps):
             with t("save_checkpoint"):
                 self.save_checkpoint()
         with t("update_weights"):
@@ -291,6 +291,7 @@ class PPOTrainer:
         checkpointing.save_trainer_state(staging, self.trainer_state())
         final = checkpointing.step_dir(root, self.global_steps)
         checkpointing.commit(staging, final)
+        checkpointing.prune(root, self.config.trainer.max_checkpoints_to_keep, final)
         return final
 
     def load_checkpoint(self, path: str) -> None:

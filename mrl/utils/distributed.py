@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from mrl.utils.noise import quiet_library_logs
+
 
 class LaunchError(RuntimeError):
     """A rank raised, died or timed out; the message carries the failing rank's traceback."""
@@ -54,6 +56,7 @@ def _child(
 ) -> None:
     os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    quiet_library_logs()
     # Many ranks share few cores; intra-op threads would oversubscribe them.
     torch.set_num_threads(threads)
     try:

@@ -28,7 +28,7 @@ import torch
 
 from rollout_adapters.base import RolloutAdapter, StopReason
 from rollout_adapters.buckets import unpack_bucket
-from rollout_adapters.fields import refuse_shadowing
+from rollout_adapters.fields import ADAPTER_ENGINE_KWARGS, refuse_shadowing
 from rollout_adapters.network import LOOPBACK, require_loopback, url_host
 from rollout_adapters.sglang import protocol
 
@@ -97,8 +97,8 @@ class SGLangAdapter(RolloutAdapter):
             chunked_prefill_size=max_num_batched_tokens,
         )
         if extra:
-            raise ValueError(f"unknown sglang engine_kwargs {sorted(extra)}: pass other server flags as "
-                             "engine_kwargs.extra_args")
+            raise ValueError(f"unknown sglang engine_kwargs {sorted(extra)} (known: {ADAPTER_ENGINE_KWARGS['sglang']}):"
+                             " pass other server flags as engine_kwargs.extra_args")
         self.base_url = base_url
         self.start_timeout_s = start_timeout_s
         self.process: subprocess.Popen | None = None

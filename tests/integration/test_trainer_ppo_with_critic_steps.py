@@ -9,12 +9,14 @@ term enters the actor loss; the adaptive KL-in-reward controller moves β; `fit(
 tensorboard events with the same scalars, including throughput, MFU, memory per phase and staleness. Settings that
 shape the run: total_training_steps=null runs total_epochs passes over the prompts (8 // B = 2 steps), validation
 goes val_batch_size prompts at a time, and free_cache_engine=false keeps the replica awake through training. The
-sample store is empty after the run (each step deletes its samples, validation its trajectories).
+sample store is empty after the run (each step deletes its samples, validation its trajectories). Saved every step
+with trainer.max_checkpoints_to_keep=1, the run folder keeps the final step's checkpoint only (actor and critic).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from mrl.config.loader import load_config
 from mrl.data.batch import Batch
 from mrl.data.datasets import write_rows
 from mrl.models.tiny import make_tiny_hf_model
+from mrl.trainer import checkpointing
 from mrl.trainer.build import build_trainer, shutdown
 from mrl.trainer.ppo_trainer import PPOTrainer
 
@@ -68,6 +71,7 @@ def trainer(ray_cluster, tmp_path_factory):
         "trainer.total_training_steps=null", "trainer.total_epochs=1", "trainer.logger=[console,jsonl,tensorboard]",
         "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl_type=adaptive", "algorithm.kl_horizon=100",
         "trainer.val_before_train=false", f"trainer.default_local_dir={root / 'run'}",
+        "trainer.save_freq=1", "trainer.max_checkpoints_to_keep=1",
         f"reward.reward_fn='{__name__}:odd_length_reward'",
     ])
     built = build_trainer(cfg)
@@ -115,6 +119,9 @@ def test_fit_writes_jsonl_and_tensorboard_with_the_step_metrics(trainer, history
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run = trainer.config.trainer.default_local_dir
+    # Both steps saved; keeping one, step 1's checkpoint went when step 2's was complete.
+    assert [os.path.basename(p) for p in checkpointing.complete_checkpoints(run)] == ["global_step_2"]
+    assert sorted(os.listdir(checkpointing.step_dir(run, 2))) == ["COMPLETE", "actor", "critic", "trainer_state.pt"]
     trainer.logger.close()
     rows = [json.loads(line) for line in Path(run, "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]

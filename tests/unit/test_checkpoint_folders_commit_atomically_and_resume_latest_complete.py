@@ -74,3 +74,24 @@ def test_rng_states_round_trip():
     drawn = (random.random(), float(np.random.rand()), float(torch.rand(())))
     set_rng_state(state)
     assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == drawn
+
+
+def test_pruning_keeps_the_newest_complete_ones_and_never_the_one_just_written(tmp_path):
+    root = str(tmp_path)
+    for step in (1, 2, 3):
+        write_checkpoint(root, step)
+    os.makedirs(checkpointing.step_dir(root, 4))  # incomplete: not counted, not removed
+    assert checkpointing.prune(root, None, checkpointing.step_dir(root, 3)) == []
+    # A resumed run writes step 2 again after 3 exists: 2 is the one being written, so 1 and 3 are the older ones.
+    removed = checkpointing.prune(root, 2, checkpointing.step_dir(root, 2))
+    assert removed == [checkpointing.step_dir(root, 1)]
+    assert [os.path.basename(p) for p in checkpointing.complete_checkpoints(root)] == ["global_step_2",
+                                                                                     "global_step_3"]
+    assert checkpointing.prune(root, 1, checkpointing.step_dir(root, 2)) == [checkpointing.step_dir(root, 3)]
+    assert os.path.isdir(checkpointing.step_dir(root, 4))
+
+
+def test_every_save_freq_steps_and_the_final_step_are_saved():
+    assert [s for s in range(1, 8) if checkpointing.due(s, 3, 7)] == [3, 6, 7]
+    assert [s for s in range(1, 7) if checkpointing.due(s, 3, 6)] == [3, 6]
+    assert not any(checkpointing.due(s, -1, 7) for s in range(1, 8))

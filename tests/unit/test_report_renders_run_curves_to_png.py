@@ -8,7 +8,7 @@ import numpy as np
 from PIL import Image
 
 from mrl.cli import main
-from mrl.tools.report import THROUGHPUT, load_records, render, series
+from mrl.tools.report import MFU, THROUGHPUT, draw, load_records, render, series
 from mrl.trainer.metrics import RunLogger
 
 
@@ -61,10 +61,22 @@ def test_series_skips_records_without_the_key_and_keeps_steps():
 
 def test_missing_panels_are_named_not_fatal(tmp_path):
     missing = render([{"step": 1, "reward/mean": 0.3}], tmp_path / "r.png")
-    assert missing == ["response_length/mean", "timing_s/*", "rollout/logprob_mismatch", THROUGHPUT, "memory/*"]
+    assert missing == ["response_length/mean", "timing_s/*", "rollout/logprob_mismatch", THROUGHPUT, MFU, "memory/*"]
     assert (tmp_path / "r.png").stat().st_size > 10_000
 
 
 def test_a_run_without_metrics_exits_2(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "metrics.jsonl" in capsys.readouterr().err
+
+
+def test_every_panel_has_a_y_label_throughput_and_mfu_apart_and_step_1_does_not_squash_the_bars(tmp_path):
+    records = load_records(_write_run(tmp_path))
+    records[1]["timing_s/gen"] = records[1]["timing_s/step"] = 60.0  # step 1 compiles: 15x a later step
+    fig, _ = draw(records)
+    panels = [ax for ax in fig.axes if ax.axison]
+    assert len(panels) == 7 and all(ax.get_ylabel() for ax in panels)  # no twin axes: one curve per scale
+    timing = next(ax for ax in panels if ax.get_title() == "time per step")
+    later_peak = max(r["timing_s/step"] for r in records[2:])
+    assert timing.get_ylim()[1] < 1.2 * later_peak  # scaled to the later steps
+    assert any("warm-up" in t.get_text() for t in timing.texts)

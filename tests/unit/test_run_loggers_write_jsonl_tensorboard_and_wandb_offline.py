@@ -77,7 +77,7 @@ def test_every_logger_writes_the_steps_it_is_given(tmp_path, monkeypatch, capsys
     assert len(lines) == 2
     assert lines[0].startswith("step 1/4 " + "━" * 5 + "─" * 15)  # the bar reads without colour too
     assert "reward 0.250" in lines[0] and "gen 1.50s" in lines[0]
-    assert "val_acc 0.500" in lines[1] and "ETA 0:04" in lines[1]  # mean step 2.0 s × 2 steps left
+    assert "val_acc 0.500" in lines[1] and "ETA 0:03" in lines[1]  # step 2's 1.5 s × 2 steps left (step 1 warms up)
     assert "memory" not in lines[0] and "updates" not in lines[0]  # a progress line, not a dump
 
 
