@@ -45,9 +45,11 @@ def _check_row(row: Any, prompt_key: str) -> None:
             raise MalformedRow(f"{key!r} must be an object, got {type(row[key]).__name__}")
 
 
-def templated_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """The prompt's token ids as the rollout sees them: chat template with the generation prompt."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def templated_prompt_ids(tokenizer: Any, messages: list[dict[str, str]],
+                         tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The prompt's token ids as the rollout sees them: chat template with the generation prompt (and the tools'
+    function schemas, which the template renders, when given)."""
+    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
