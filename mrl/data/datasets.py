@@ -126,14 +126,15 @@ class RLDataset:
             logger.warning("skipped %d %s dataset rows of %d (%s%s)", len(skipped), kind, total, shown,
                            ", ..." if len(skipped) > 5 else "")
 
-    def drop_long_prompts(self, tokenizer: Any, max_tokens: int) -> int:
-        """Skip (count, log) rows whose templated prompt exceeds `max_tokens` (data.max_prompt_length) or that
-        the chat template refuses: the rollout's context is sized for max_prompt_length + max_response_length,
-        so such a prompt would fail its request mid-step. Returns how many were dropped."""
+    def drop_long_prompts(self, tokenizer: Any, max_tokens: int, tools: list[dict[str, Any]] | None = None) -> int:
+        """Skip (count, log) rows whose templated prompt (with the tool schemas a tool loop renders into it)
+        exceeds `max_tokens` (data.max_prompt_length) or that the chat template refuses: the rollout's context is
+        sized for max_prompt_length + max_response_length, so such a prompt would fail its request mid-step.
+        Returns how many were dropped."""
         kept, dropped = [], []
         for row in self.rows:
             try:
-                n = len(templated_prompt_ids(tokenizer, row["messages"]))
+                n = len(templated_prompt_ids(tokenizer, row["messages"], tools))
                 reason = f"{n} prompt tokens > data.max_prompt_length={max_tokens}" if n > max_tokens else ""
             except Exception as err:  # a template error on one row must not stop the run
                 reason = f"chat template failed ({type(err).__name__}: {err})"

@@ -119,9 +119,8 @@ class ToolAgentLoop(AgentLoop):
             if budget <= 0:
                 traj.stop_reason = "length"
                 break
-            out = await self.client.generate(
-                session_id, traj.prompt_ids + traj.response_ids, {**sampling, "max_tokens": budget}
-            )
+            params = {**self.turn_sampling(sample, sampling, traj), "max_tokens": budget}
+            out = await self.client.generate(session_id, traj.prompt_ids + traj.response_ids, params)
             traj.add_model_turn(out)
             if out.stop_reason != "stop" or traj.num_turns >= box.max_turns:
                 break  # an observation after the last turn would never be read by the model
@@ -134,6 +133,11 @@ class ToolAgentLoop(AgentLoop):
             traj.extend(obs[:room], None, model=False)
         await self.client.end_session(session_id)
         return traj
+
+    def turn_sampling(self, sample: dict[str, Any], sampling: dict[str, Any], traj: Trajectory) -> dict[str, Any]:
+        """The sampling dict of the next turn (`traj.num_turns` turns done): a hook for subclasses (e.g. another
+        temperature once a tool answered); the loop sets max_tokens to the remaining budget."""
+        return sampling
 
     async def _answer(self, session_id: str, call: ToolCall, traj: Trajectory) -> str:
         """The observation text for one call: the tool's output, or "Error: …" for whatever went wrong (counted
