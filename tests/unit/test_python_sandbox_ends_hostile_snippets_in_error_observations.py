@@ -52,7 +52,7 @@ def results(tmp_path_factory, listener):
         return await asyncio.gather(*((sleeper if k == "sleep" else pool).run(c) for k, c in codes.items()))
 
     out = dict(zip(codes, asyncio.run(run_all())))
-    yield {"results": out, "pool": pool, "root": root, "outside": outside}
+    yield {"results": out, "pool": pool, "sleeper": sleeper, "root": root, "outside": outside}
     shutil.rmtree(outside_dir)
 
 
@@ -86,7 +86,8 @@ def test_limits_end_the_snippet_with_a_named_error(results, snippet, error, outp
 def test_fork_bomb_is_capped_and_leaves_no_process(results):
     r = results["results"]["fork_bomb"]
     assert not r.ok and "BlockingIOError" in r.output  # RLIMIT_NPROC binds for the slot's uid
-    uids = range(SandboxPool.BASE_UID, SandboxPool.BASE_UID + len(SNIPPETS))
+    uids = set(results["pool"].uids)
+    assert len(uids) == len(SNIPPETS) and not uids & set(results["sleeper"].uids)
     left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _uid(pid) in uids]
     assert left == []
 

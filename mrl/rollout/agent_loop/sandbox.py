@@ -4,7 +4,7 @@ wall-clock time and output, with no network, no writes outside its scratch direc
 Machines and CI run as root, where file permissions and RLIMIT_NPROC do not bind, so as root each snippet runs
 in new network, mount, PID and IPC namespaces (the network has no interfaces, not even loopback; every mount but
 the scratch directory is re-bound read-only; when the snippet's first process exits the kernel kills every process
-it started) and as an unprivileged uid of its own pool slot (60000 + slot), so RLIMIT_NPROC caps a fork bomb and
+it started) and as an unprivileged uid of its own pool slot (unique on the host), so RLIMIT_NPROC caps a fork bomb and
 the slots cannot read each other's files. Without root the namespaces and the uid change are unavailable: the
 limits still apply, the network and the file system are not closed (`SandboxPool.isolated` says which).
 
@@ -134,12 +134,20 @@ class SandboxResult:
 class SandboxPool:
     """Runs snippets in sandboxes, at most `slots` at once (each slot its own uid when isolated)."""
 
-    BASE_UID = 60000
+    # Slot uids are BASE_UID + (pid << 8) + k: unique across the live processes of a host (pids are at most 2^22)
+    # and across the pools of one process (k counts their slots), so no two slots share a process limit or files.
+    BASE_UID, SLOTS_PER_PROCESS = 1 << 20, 1 << 8
+    _slots_taken = 0
 
     def __init__(self, slots: int = 4, limits: SandboxLimits | None = None, root: str | None = None) -> None:
         self.limits = limits or SandboxLimits()
         self.isolated = os.geteuid() == 0
         self.root = root  # where scratch directories are made (default: the system temp dir)
+        first = SandboxPool._slots_taken
+        if first + slots > self.SLOTS_PER_PROCESS:
+            raise ValueError(f"at most {self.SLOTS_PER_PROCESS} sandbox slots per process")
+        SandboxPool._slots_taken += slots
+        self.uids = [self.BASE_UID + (os.getpid() << 8) + first + k for k in range(slots)]
         self._slots, self._queue, self._queue_loop = slots, None, None
 
     def _free_slots(self) -> asyncio.Queue[int]:
@@ -161,7 +169,7 @@ class SandboxPool:
             slots.put_nowait(slot)
 
     async def _run(self, code: str, slot: int) -> SandboxResult:
-        uid = self.BASE_UID + slot
+        uid = self.uids[slot]
         scratch = os.path.realpath(tempfile.mkdtemp(prefix=f"mrl-sandbox-{slot}-", dir=self.root))
         try:
             with open(os.path.join(scratch, "main.py"), "w") as f:
