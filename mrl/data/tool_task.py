@@ -22,6 +22,9 @@ TOOL = "mrl.rollout.agent_loop.python_tool:PythonTool"
 REWARD_FN = "mrl.data.tool_task:tool_answer_reward"
 CALL = '<tool_call>{{"name":"python","arguments":{{"code":"print({expr})"}}}}</tool_call>'
 CLOSE = "</tool_call>"
+# Warm-up learning rate: at the reverse task's 3e-3 the model learned the call's format but not to copy the numbers
+# into it or the tool's answer out of it (300 and 600 steps, 3-digit numbers); at 1e-3, 500 steps copy both.
+WARMUP_LR = 1e-3
 
 
 def addition_rows(length: int, n_train: int, n_val: int, seed: int) -> tuple[list[dict], list[dict]]:
@@ -102,7 +105,8 @@ def prepare(out: Path, args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = tool_tokenizer()
     model = build_tiny_hf_model("qwen2", seed=args.seed, vocab_size=512, tokenizer=tokenizer, init_std=0.02)
     examples = sft_examples(tokenizer, train, args.tool_share, args.seed)
-    report = supervised_warmup(model, tokenizer, train, args.warmup_steps, seed=args.seed, examples=examples)
+    report = supervised_warmup(model, tokenizer, train, args.warmup_steps, lr=WARMUP_LR, seed=args.seed,
+                               examples=examples)
     report["tool_share"] = args.tool_share
     model_dir = out / "model"
     model.save_pretrained(str(model_dir))
