@@ -25,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/demo", help="folder for the model, data, metrics and rollout dumps")
     parser.add_argument("--rollout", default="vllm", choices=["vllm", "hf"], help="rollout backend")
     parser.add_argument("--steps", type=int, default=30, help="GRPO steps")
-    parser.add_argument("--lr", type=float, default=1e-3, help="actor learning rate")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="actor learning rate (default 1e-3; --task tool: 1e-4, see mrl/data/tool_task.py)")
     parser.add_argument("--warmup-steps", type=int, default=75, help="supervised warm-up steps (0: none)")
     parser.add_argument("--length", type=int, default=4, help="digits per string")
     parser.add_argument("--seed", type=int, default=1)
@@ -115,8 +116,10 @@ def run(args: argparse.Namespace) -> int:
     if args.task == "tool":
         from mrl.data import tool_task
 
+        args.lr = tool_task.GRPO_LR if args.lr is None else args.lr
         paths = tool_task.prepare(out, args)
     else:
+        args.lr = 1e-3 if args.lr is None else args.lr
         paths = prepare(out, args.length, args.warmup_steps, args.seed)
     print("warm-up:", json.dumps(paths["warmup"]), flush=True)
     init_ray(num_cpus=args.num_cpus)
