@@ -19,6 +19,14 @@ from pathlib import Path
 from typing import Any
 
 REWARD_FN = "mrl.data.synthetic:exact_match_reward"
+REVERSE_DEFAULTS = {"lr": 1e-3, "warmup_steps": 75, "length": 4}
+
+
+def fill_defaults(args: argparse.Namespace, defaults: dict[str, Any]) -> None:
+    """The task's value of every argument left unset (None) on the command line."""
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,15 +35,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=30, help="GRPO steps")
     parser.add_argument("--lr", type=float, default=None,
                         help="actor learning rate (default 1e-3; --task tool: 1e-4, see mrl/data/tool_task.py)")
-    parser.add_argument("--warmup-steps", type=int, default=75, help="supervised warm-up steps (0: none)")
-    parser.add_argument("--length", type=int, default=4, help="digits per string")
+    parser.add_argument("--warmup-steps", type=int, default=None,
+                        help="supervised warm-up steps (0: none; default 75, --task tool: 500)")
+    parser.add_argument("--length", type=int, default=None,
+                        help="digits per string (default 4; --task tool: digits per operand, 3)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--control", action="store_true", help="also run the same GRPO with lr 0")
     parser.add_argument("--num-cpus", type=int, default=8, help="logical CPUs of the local Ray cluster")
     parser.add_argument("--task", default="reverse", choices=["reverse", "tool"],
                         help="reverse a digit string, or add two --length-digit numbers with a sandboxed Python tool "
                              "(multi-turn; mrl/data/tool_task.py)")
-    parser.add_argument("--tool-share", type=float, default=0.25,
+    parser.add_argument("--tool-share", type=float, default=0.5,
                         help="--task tool: share of warm-up examples that call the tool (the rest answer directly)")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for recipes/tiny/grpo.yaml")
 
@@ -116,10 +126,10 @@ def run(args: argparse.Namespace) -> int:
     if args.task == "tool":
         from mrl.data import tool_task
 
-        args.lr = tool_task.GRPO_LR if args.lr is None else args.lr
+        fill_defaults(args, tool_task.DEMO_DEFAULTS)
         paths = tool_task.prepare(out, args)
     else:
-        args.lr = 1e-3 if args.lr is None else args.lr
+        fill_defaults(args, REVERSE_DEFAULTS)
         paths = prepare(out, args.length, args.warmup_steps, args.seed)
     print("warm-up:", json.dumps(paths["warmup"]), flush=True)
     init_ray(num_cpus=args.num_cpus)

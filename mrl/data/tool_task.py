@@ -28,6 +28,7 @@ WARMUP_LR = 1e-3
 # GRPO learning rate: one step at the reverse task's 1e-3 (Adam's first steps move every weight by about the
 # learning rate) broke the exact call format of a model at 61 % held-out accuracy; the next step scored 0.
 GRPO_LR = 1e-4
+DEMO_DEFAULTS = {"lr": GRPO_LR, "warmup_steps": 500, "length": 3}
 
 
 def addition_rows(length: int, n_train: int, n_val: int, seed: int) -> tuple[list[dict], list[dict]]:
@@ -117,7 +118,7 @@ def prepare(out: Path, args: argparse.Namespace) -> dict[str, Any]:
     prompts = [mask.index(1) for _, mask in examples]
     longest_response = max(len(ids) - p for (ids, _), p in zip(examples, prompts))
     overrides = [  # room for the ideal trajectory plus a few tokens
-        "rollout.agent_loop=tool", f"rollout.tools=[{TOOL}]", "rollout.max_turns=3",
+        "rollout.agent_loop=tool", f"rollout.tools=[{TOOL}]", "rollout.max_turns=3", "data.train_batch_size=8",
         f"data.max_prompt_length={max(prompts) + 8}", f"data.max_response_length={longest_response + 16}",
         f"reward.reward_fn='{REWARD_FN}'",
     ]
