@@ -21,7 +21,9 @@ from mrl.trainer.ppo_trainer import PPOTrainer
 
 pytestmark = pytest.mark.integration
 
-B, N, STEPS, VOCAB, LONG, TURNS = 2, 2, 2, 512, 96, 3
+# LONG: the budget the long last turns run to; long enough that they are still generating when the short groups
+# fill step 1 (the colocate_async test relies on the same race).
+B, N, STEPS, VOCAB, LONG, TURNS = 2, 2, 2, 512, 192, 3
 
 
 class CallPythonEveryTurn:
