@@ -127,3 +127,13 @@ def test_the_pool_runs_again_after_hostile_snippets_and_the_tool_reports_errors(
     with pytest.raises(ToolError, match="exit code 1") as err:
         asyncio.run(tool.execute({"code": "1 / 0"}))
     assert "ZeroDivisionError" in str(err.value)
+
+
+def test_a_new_pool_removes_scratch_dirs_of_dead_processes(tmp_path):
+    dead = (tmp_path / "mrl-sandbox-4194999-0-abc")  # above the kernel's pid limit: never alive
+    live = (tmp_path / f"mrl-sandbox-{os.getpid()}-0-abc")
+    for d in (dead, live):
+        d.mkdir()
+        (d / "main.py").write_text("print(1)")
+    SandboxPool(slots=1, limits=LIMITS, root=str(tmp_path))
+    assert not dead.exists() and live.exists()

@@ -103,6 +103,19 @@ os._exit(status_code(status))
 """
 
 
+_PREFIX = "mrl-sandbox-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _interpreter_dirs() -> list[str]:
     """What the snippet's interpreter reads: its install prefix (stdlib) and the environment's (site-packages)."""
     return sorted({os.path.realpath(p) for p in (sys.base_prefix, sys.prefix,
@@ -149,6 +162,16 @@ class SandboxPool:
         SandboxPool._slots_taken += slots
         self.uids = [self.BASE_UID + (os.getpid() << 8) + first + k for k in range(slots)]
         self._slots, self._queue, self._queue_loop = slots, None, None
+        self._remove_orphaned_scratch()
+
+    def _remove_orphaned_scratch(self) -> None:
+        """Scratch dirs of processes that died mid-run (a killed agent-loop worker never reaches its cleanup):
+        their names carry the dead pid."""
+        root = self.root or tempfile.gettempdir()
+        for name in os.listdir(root):
+            parts = name.split("-")
+            if name.startswith(_PREFIX) and len(parts) > 3 and parts[2].isdigit() and not _alive(int(parts[2])):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
     def _free_slots(self) -> asyncio.Queue[int]:
         # An asyncio.Queue belongs to one event loop; a new loop (another asyncio.run) gets a fresh one.
@@ -170,7 +193,7 @@ class SandboxPool:
 
     async def _run(self, code: str, slot: int) -> SandboxResult:
         uid = self.uids[slot]
-        scratch = os.path.realpath(tempfile.mkdtemp(prefix=f"mrl-sandbox-{slot}-", dir=self.root))
+        scratch = os.path.realpath(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-{slot}-", dir=self.root))
         try:
             with open(os.path.join(scratch, "main.py"), "w") as f:
                 f.write(code)
