@@ -19,18 +19,34 @@ from pathlib import Path
 from typing import Any
 
 REWARD_FN = "mrl.data.synthetic:exact_match_reward"
+REVERSE_DEFAULTS = {"lr": 1e-3, "warmup_steps": 75, "length": 4}
+
+
+def fill_defaults(args: argparse.Namespace, defaults: dict[str, Any]) -> None:
+    """The task's value of every argument left unset (None) on the command line."""
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/demo", help="folder for the model, data, metrics and rollout dumps")
     parser.add_argument("--rollout", default="vllm", choices=["vllm", "hf"], help="rollout backend")
     parser.add_argument("--steps", type=int, default=30, help="GRPO steps")
-    parser.add_argument("--lr", type=float, default=1e-3, help="actor learning rate")
-    parser.add_argument("--warmup-steps", type=int, default=75, help="supervised warm-up steps (0: none)")
-    parser.add_argument("--length", type=int, default=4, help="digits per string")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="actor learning rate (default 1e-3; --task tool: 1e-4, see mrl/data/tool_task.py)")
+    parser.add_argument("--warmup-steps", type=int, default=None,
+                        help="supervised warm-up steps (0: none; default 75, --task tool: 500)")
+    parser.add_argument("--length", type=int, default=None,
+                        help="digits per string (default 4; --task tool: digits per operand, 3)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--control", action="store_true", help="also run the same GRPO with lr 0")
     parser.add_argument("--num-cpus", type=int, default=8, help="logical CPUs of the local Ray cluster")
+    parser.add_argument("--task", default="reverse", choices=["reverse", "tool"],
+                        help="reverse a digit string, or add two --length-digit numbers with a sandboxed Python tool "
+                             "(multi-turn; mrl/data/tool_task.py)")
+    parser.add_argument("--tool-share", type=float, default=0.5,
+                        help="--task tool: share of warm-up examples that call the tool (the rest answer directly)")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for recipes/tiny/grpo.yaml")
 
 
@@ -74,6 +90,7 @@ def grpo(label: str, paths: dict[str, Any], args: argparse.Namespace, lr: float 
         f"trainer.default_local_dir={Path(args.out) / label}",
         f"reward.reward_fn='{REWARD_FN}'",
         *([f"actor.optim.lr={lr}"] if lr is not None else []),
+        *paths.get("overrides", []),  # the task's own (later overrides of a key win)
         *args.overrides,
     ]
     cfg = load_config("tiny/grpo", overrides)
@@ -90,6 +107,11 @@ def accuracy_curve(history: list[dict[str, Any]]) -> list[tuple[int, float]]:
     return [(h["step"], h["val/greedy_acc"]) for h in history if "val/greedy_acc" in h]
 
 
+def tool_curve(history: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    """Held-out share of greedy trajectories with a tool call answered without error (multi-turn tasks)."""
+    return [(h["step"], h["val/tool_success_rate"]) for h in history if "val/tool_success_rate" in h]
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -99,14 +121,25 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    paths = prepare(out, args.length, args.warmup_steps, args.seed)
+    if args.task == "tool":
+        from mrl.data import tool_task
+
+        fill_defaults(args, tool_task.DEMO_DEFAULTS)
+        paths = tool_task.prepare(out, args)
+    else:
+        fill_defaults(args, REVERSE_DEFAULTS)
+        paths = prepare(out, args.length, args.warmup_steps, args.seed)
     print("warm-up:", json.dumps(paths["warmup"]), flush=True)
     init_ray(num_cpus=args.num_cpus)
     summary: dict[str, Any] = {"warmup": paths["warmup"], "runs": {}}
     for label, lr in [("grpo", args.lr)] + ([("control_lr0", 0.0)] if args.control else []):
         run_start = time.monotonic()
-        curve = accuracy_curve(grpo(label, paths, args, lr))
+        history = grpo(label, paths, args, lr)
+        curve = accuracy_curve(history)
         summary["runs"][label] = {"val_greedy_acc": curve, "seconds": round(time.monotonic() - run_start, 1)}
+        if tool_curve(history):
+            summary["runs"][label]["val_tool_success_rate"] = tool_curve(history)
+            print(f"{label}: held-out tool calls answered without error {tool_curve(history)}", flush=True)
         first, last = curve[0][1], curve[-1][1]
         print(f"{label}: held-out greedy accuracy {first:.3f} -> {last:.3f} ({100 * (last - first):+.1f} points) "
               f"in {summary['runs'][label]['seconds']:.0f} s", flush=True)

@@ -260,7 +260,8 @@ class RolloutConfig:
     # Hybrid replicas sleep during training (weights and KV cache released, both restored by the weight sync);
     # False keeps the engine resident on the devices and updates its weights in place.
     free_cache_engine: bool = True
-    # Agent loops (mrl/rollout/agent_loop): single_turn | tool; CPU Ray actors running the sessions.
+    # Agent loops (mrl/rollout/agent_loop): single_turn | tool | a custom loop as "package.module:Name" (an
+    # AgentLoop subclass or an async function returning a Trajectory); CPU Ray actors running the sessions.
     agent_loop: str = "single_turn"
     # Agent-loop Ray actors.
     agent_loop_workers: int = 1
@@ -268,6 +269,11 @@ class RolloutConfig:
     tools: list[str] = field(default_factory=list)
     # Turns per trajectory in the tool loop.
     max_turns: int = 4
+    # Tool-call parser of the tool loop: hermes (`<tool_call>{json}</tool_call>`, Hermes/Qwen) or
+    # "package.module:Class" with `parse(text) -> list[ToolCall]`.
+    tool_parser: str = "hermes"
+    # Tool calls per trajectory; later calls are answered with an error observation (the model may still answer).
+    max_tool_calls: int = 8
     # Replicas to start (0: as many as the trainer's device slots hold, one per TP×DP×PP footprint).
     num_replicas: int = 0
     # Extra engine arguments passed to the backend verbatim (e.g. vLLM's swap_space); keys that a setting above

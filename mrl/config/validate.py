@@ -186,8 +186,37 @@ AGENT_LOOPS = ("single_turn", "tool")
 
 
 @rule
+def _agent_loop_and_tools(cfg: DictConfig, _: bool) -> Iterator[Violation]:
+    """The loop, the tools and the parser are loaded here (not constructed), so a bad path fails at start-up."""
+    from mrl.rollout.agent_loop.base import agent_loop_class
+    from mrl.rollout.agent_loop.tools import PARSERS, Tool, load_object
+
+    loop = str(_get(cfg, "rollout.agent_loop"))
+    if loop not in AGENT_LOOPS:
+        try:
+            agent_loop_class(loop)
+        except ValueError as err:
+            yield Violation("rollout.agent_loop", loop, f"one of {', '.join(AGENT_LOOPS)} or a loadable "
+                            f"'package.module:Name' (an AgentLoop subclass or an async function): {err}")
+    for spec in _get(cfg, "rollout.tools"):
+        try:
+            tool = load_object(str(spec), "rollout.tools")
+            if not (isinstance(tool, type) and issubclass(tool, Tool)):
+                raise ValueError("not a Tool subclass (mrl.rollout.agent_loop.Tool)")
+        except ValueError as err:
+            yield Violation("rollout.tools", spec, f"each tool is a loadable 'package.module:Class' Tool: {err}")
+    parser = str(_get(cfg, "rollout.tool_parser"))
+    if parser not in PARSERS:
+        try:
+            load_object(parser, "rollout.tool_parser")
+        except ValueError as err:
+            yield Violation("rollout.tool_parser", parser,
+                            f"one of {', '.join(PARSERS)} or a loadable 'package.module:Class': {err}")
+    yield from _at_least(cfg, "rollout.max_tool_calls", 1)
+
+
+@rule
 def _trainer_roles(cfg: DictConfig, _: bool) -> Iterator[Violation]:
-    yield from _one_of(cfg, "rollout.agent_loop", AGENT_LOOPS)
     yield from _at_least(cfg, "rollout.agent_loop_workers", 1)
     yield from _at_least(cfg, "data.max_sample_rounds", 1)
     estimator, critic = _get(cfg, "algorithm.adv_estimator"), _get(cfg, "critic.enable")
@@ -324,10 +353,6 @@ def _run_and_rollout_ranges(cfg: DictConfig, check_paths: bool) -> Iterator[Viol
     for path in ("reward.timeout_s", "weight_sync.timeout_s"):
         if _get(cfg, path) <= 0:
             yield Violation(path, _get(cfg, path), "a timeout must be > 0 seconds")
-    for spec in _get(cfg, "rollout.tools"):
-        module, _, name = str(spec).partition(":")
-        if not module or not name:
-            yield Violation("rollout.tools", spec, "each tool is 'package.module:Class'")
     if _get(cfg, "rollout.name") == "hf":
         for key in ("tensor_model_parallel_size", "data_parallel_size", "pipeline_model_parallel_size"):
             if _get(cfg, f"rollout.{key}") != 1:

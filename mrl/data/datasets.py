@@ -45,9 +45,11 @@ def _check_row(row: Any, prompt_key: str) -> None:
             raise MalformedRow(f"{key!r} must be an object, got {type(row[key]).__name__}")
 
 
-def templated_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """The prompt's token ids as the rollout sees them: chat template with the generation prompt."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def templated_prompt_ids(tokenizer: Any, messages: list[dict[str, str]],
+                         tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The prompt's token ids as the rollout sees them: chat template with the generation prompt (and the tools'
+    function schemas, which the template renders, when given)."""
+    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
@@ -124,14 +126,15 @@ class RLDataset:
             logger.warning("skipped %d %s dataset rows of %d (%s%s)", len(skipped), kind, total, shown,
                            ", ..." if len(skipped) > 5 else "")
 
-    def drop_long_prompts(self, tokenizer: Any, max_tokens: int) -> int:
-        """Skip (count, log) rows whose templated prompt exceeds `max_tokens` (data.max_prompt_length) or that
-        the chat template refuses: the rollout's context is sized for max_prompt_length + max_response_length,
-        so such a prompt would fail its request mid-step. Returns how many were dropped."""
+    def drop_long_prompts(self, tokenizer: Any, max_tokens: int, tools: list[dict[str, Any]] | None = None) -> int:
+        """Skip (count, log) rows whose templated prompt (with the tool schemas a tool loop renders into it)
+        exceeds `max_tokens` (data.max_prompt_length) or that the chat template refuses: the rollout's context is
+        sized for max_prompt_length + max_response_length, so such a prompt would fail its request mid-step.
+        Returns how many were dropped."""
         kept, dropped = [], []
         for row in self.rows:
             try:
-                n = len(templated_prompt_ids(tokenizer, row["messages"]))
+                n = len(templated_prompt_ids(tokenizer, row["messages"], tools))
                 reason = f"{n} prompt tokens > data.max_prompt_length={max_tokens}" if n > max_tokens else ""
             except Exception as err:  # a template error on one row must not stop the run
                 reason = f"chat template failed ({type(err).__name__}: {err})"

@@ -51,22 +51,25 @@ def char_tokenizer(out_dir: str | Path | None = None) -> Any:
     return train_tiny_tokenizer(out_dir, vocab_size=CHAR_VOCAB, corpus=["0123456789+="])
 
 
-def _sft_example(tokenizer: Any, row: dict[str, Any]) -> tuple[list[int], int]:
+def _sft_example(tokenizer: Any, row: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """(ids, loss mask): the templated prompt (not trained), then the answer and the end-of-turn token."""
     prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
     answer = row["reward_model"]["ground_truth"] + tokenizer.eos_token
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-    return prompt_ids + tokenizer.encode(answer, add_special_tokens=False), len(prompt_ids)
+    answer_ids = tokenizer.encode(answer, add_special_tokens=False)
+    return prompt_ids + answer_ids, [0] * len(prompt_ids) + [1] * len(answer_ids)
 
 
 def supervised_warmup(
     model: torch.nn.Module, tokenizer: Any, rows: list[dict], steps: int, *, batch_size: int = 32,
-    lr: float = 3e-3, seed: int = 0,
+    lr: float = 3e-3, seed: int = 0, examples: list[tuple[list[int], list[int]]] | None = None,
 ) -> dict[str, float]:
     """Teach the answer format (and some arithmetic) with `steps` AdamW steps of next-token loss on the answer
-    tokens; returns the final loss and the wall time."""
+    tokens; returns the final loss and the wall time. `examples`: ready (ids, loss mask) pairs instead of `rows`
+    (e.g. multi-turn ones whose tool observations are not trained)."""
     start = time.monotonic()
     rng = random.Random(seed)
-    examples = [_sft_example(tokenizer, r) for r in rows]
+    examples = examples if examples is not None else [_sft_example(tokenizer, r) for r in rows]
     optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     loss = torch.tensor(0.0)
@@ -75,9 +78,9 @@ def supervised_warmup(
         width = max(len(ids) for ids, _ in batch)
         ids = torch.full((batch_size, width), tokenizer.pad_token_id)
         labels = torch.full((batch_size, width), -100)
-        for i, (seq, prompt_len) in enumerate(batch):
+        for i, (seq, mask) in enumerate(batch):
             ids[i, : len(seq)] = torch.tensor(seq)
-            labels[i, prompt_len : len(seq)] = torch.tensor(seq[prompt_len:])
+            labels[i, : len(seq)] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(seq), -100)
         loss = model(input_ids=ids, labels=labels).loss
         optim.zero_grad()
         loss.backward()

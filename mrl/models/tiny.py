@@ -37,7 +37,11 @@ IM_START, IM_END, END_OF_TEXT, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|
 # Order fixes the ids 0..3: the same special-token ids in every tiny tokenizer.
 SPECIAL_TOKENS = (END_OF_TEXT, IM_START, IM_END, PAD)
 
+# With `tools` (OpenAI function schemas), a system turn names the functions first (kept short: tiny models
+# learn the call format from data, and every prompt token costs the CPU demo).
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\ntools:' }}{% for tool in tools %}{{ ' ' + tool.function.name }}"
+    "{% endfor %}{{ '<|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"

@@ -16,6 +16,7 @@ from mrl.controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from mrl.data.datasets import RLDataset
 from mrl.reward.evaluator import RewardEvaluator
 from mrl.rollout.agent_loop import AgentLoopManager
+from mrl.rollout.agent_loop.tools import load_tools
 from mrl.rollout.manager import LLMServerManager
 from mrl.rollout.replica import Footprint, ReplicaSpec
 from mrl.trainer.metrics import RunLogger
@@ -91,9 +92,11 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     train_data = RLDataset.from_files(c.data.train_files, c.data.prompt_key)
     val_data = RLDataset.from_files(c.data.val_files, c.data.prompt_key) if c.data.val_files else None
+    # Multi-turn loops render the tools' schemas into the prompt (the tools are built here for their schemas only).
+    schemas = [t.schema for t in load_tools(list(c.rollout.tools))] if c.rollout.agent_loop != "single_turn" else []
     for data in (train_data, val_data):
         if data is not None:  # a prompt past the rollout's context would fail its request mid-step
-            data.drop_long_prompts(tokenizer, c.data.max_prompt_length)
+            data.drop_long_prompts(tokenizer, c.data.max_prompt_length, schemas or None)
     # Before any worker gets the config: the engines size their LR schedules by the run length (prompts counted
     # after the drop).
     c = replace(c, trainer=replace(c.trainer, total_training_steps=resolve_run_length(c, train_data)))

@@ -172,6 +172,27 @@ def staleness_metrics(trajectories: list[dict[str, Any]], trainer_version: int) 
     return {"staleness/mean": sum(lags) / len(lags), "staleness/max": float(max(lags))}
 
 
+def agent_loop_metrics(trajectories: list[dict[str, Any]], prefix: str = "rollout") -> dict[str, float]:
+    """Multi-turn shape of the trajectories (records of the agent loops): turns and tool calls per trajectory,
+    error observations, seconds spent in tools, the share of response tokens that are observations, and the
+    share of trajectories with at least one call answered without error (`tool_success_rate`)."""
+    n = max(len(trajectories), 1)
+    calls = sum(t.get("tool_calls", 0) for t in trajectories)
+    errors = sum(t.get("tool_errors", 0) for t in trajectories)
+    response = sum(t["response_len"] for t in trajectories)
+    observation = response - sum(t["model_tokens"] for t in trajectories)
+    return {
+        f"{prefix}/turns_mean": sum(t.get("num_turns", 1) for t in trajectories) / n,
+        f"{prefix}/tool_calls_mean": calls / n,
+        f"{prefix}/tool_errors": float(errors),
+        f"{prefix}/tool_error_rate": errors / max(calls, 1),
+        f"{prefix}/tool_seconds": sum(t.get("tool_seconds", 0.0) for t in trajectories),
+        f"{prefix}/observation_token_share": observation / max(response, 1),
+        f"{prefix}/tool_success_rate": sum(t.get("tool_calls", 0) > t.get("tool_errors", 0)
+                                           for t in trajectories) / n,
+    }
+
+
 # ---- the run's logger -------------------------------------------------------------------------------------------
 
 class RunLogger:

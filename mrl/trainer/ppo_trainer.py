@@ -31,7 +31,14 @@ from mrl.data.sample_store import SampleStore
 from mrl.data.samples import light_batch
 from mrl.reward.evaluator import RewardEvaluator, RewardItem
 from mrl.trainer import batching, checkpointing
-from mrl.trainer.metrics import ModelFlops, RunLogger, StageTimer, perf_metrics, staleness_metrics
+from mrl.trainer.metrics import (
+    ModelFlops,
+    RunLogger,
+    StageTimer,
+    agent_loop_metrics,
+    perf_metrics,
+    staleness_metrics,
+)
 from mrl.utils.rng import rng_state, set_rng_state
 
 
@@ -232,8 +239,8 @@ class PPOTrainer:
         for k, traj in enumerate(trajectories):
             prompt = prompts[k // n]
             traj.update(uid=prompt["uid"], messages=prompt["messages"], ground_truth=prompt["ground_truth"])
-            items.append(RewardItem(traj["response_text"], prompt["ground_truth"], prompt["data_source"],
-                                    prompt["extra_info"]))
+            extra = {**prompt["extra_info"], **traj.get("reward_info", {})}  # a custom loop's reward inputs
+            items.append(RewardItem(traj["response_text"], prompt["ground_truth"], prompt["data_source"], extra))
         for traj, result in zip(trajectories, self.parts.reward.evaluate_sync(items)):
             traj["score"] = result.score
 
@@ -340,6 +347,8 @@ class PPOTrainer:
         size = c.data.val_batch_size or len(prompts)
         greedy = self.generate_scored(prompts, 1, {**self.sampling(train=False), "temperature": 0.0}, size)
         metrics = {"val/greedy_acc": sum(t["score"] > 0 for t in greedy) / len(greedy)}
+        if c.rollout.agent_loop != "single_turn":
+            metrics.update(agent_loop_metrics(greedy, prefix="val"))
         k = c.trainer.val_pass_k
         if k > 0:
             sampled = self.generate_scored(prompts, k, self.sampling(train=False), size)
@@ -398,9 +407,9 @@ class PPOTrainer:
             "reward/mean": float(scores.mean()),
             "response_length/mean": gen_tokens / max(len(real), 1),
             "buffer/evicted_groups": self.buffer.evicted,
-            "rollout/tool_errors": sum(t.get("tool_errors", 0) for t in real),
             "perf/gen_tokens_per_s": gen_tokens / max(self.timer.seconds.get("gen", 0.0), 1e-9),
         }
+        metrics.update(agent_loop_metrics(real))
         metrics.update(mean_over_updates(actor_out, prefix="actor"))
         metrics.update(self.kl_metrics)
         metrics.update(mismatch)

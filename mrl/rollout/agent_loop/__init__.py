@@ -6,21 +6,28 @@ fans prompts out to them and gathers trajectories in prompt order.
 
 from mrl.rollout.agent_loop.base import (
     AgentLoop,
+    FunctionAgentLoop,
     SingleTurnAgentLoop,
-    Tool,
     ToolAgentLoop,
     Trajectory,
     agent_loop_class,
 )
+from mrl.rollout.agent_loop.tools import HermesToolParser, Tool, ToolBox, ToolCall, ToolCallParser, ToolError
 from mrl.rollout.agent_loop.worker import AgentLoopManager, AgentLoopWorker
 
 __all__ = [
     "AgentLoop",
     "AgentLoopManager",
     "AgentLoopWorker",
+    "FunctionAgentLoop",
+    "HermesToolParser",
     "SingleTurnAgentLoop",
     "Tool",
     "ToolAgentLoop",
+    "ToolBox",
+    "ToolCall",
+    "ToolCallParser",
+    "ToolError",
     "Trajectory",
     "agent_loop_class",
 ]

@@ -8,7 +8,6 @@ caller gets a light record only: the key and scalar tags, including the decoded 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import uuid
 from typing import Any
 
@@ -17,17 +16,9 @@ import ray
 from mrl.data.jagged import JaggedTensor
 from mrl.data.sample_store import SampleStore
 from mrl.data.samples import TRAJECTORY_FIELDS, payload
-from mrl.rollout.agent_loop.base import Tool, Trajectory, agent_loop_class
+from mrl.rollout.agent_loop.base import Trajectory, agent_loop_class
+from mrl.rollout.agent_loop.tools import ToolBox, load_parser, load_tools
 from mrl.rollout.client import FaultPolicy, FullyAsyncLLMServerClient, LLMServerClient, wait_within
-
-
-def load_tools(specs: list[str]) -> list[Tool]:
-    """Tools from "package.module:Class" strings (constructed without arguments)."""
-    tools = []
-    for spec in specs:
-        module, _, name = spec.partition(":")
-        tools.append(getattr(importlib.import_module(module), name)())
-    return tools
 
 
 def record(traj: Trajectory, key: str, session_id: str, response_text: str) -> dict[str, Any]:
@@ -35,14 +26,16 @@ def record(traj: Trajectory, key: str, session_id: str, response_text: str) -> d
     return {"key": key, "session_id": session_id, "prompt_len": len(traj.prompt_ids),
             "response_len": len(traj.response_ids), "model_tokens": sum(traj.response_mask),
             "min_version": traj.min_version, "max_version": traj.max_version, "stop_reason": traj.stop_reason,
-            "num_turns": traj.num_turns, "seed": traj.seed, "tool_errors": traj.tool_errors,
-            "response_text": response_text}
+            "num_turns": traj.num_turns, "seed": traj.seed, "tool_calls": traj.tool_calls,
+            "tool_errors": traj.tool_errors, "tool_seconds": traj.tool_seconds, "version_spans": traj.version_spans,
+            "reward_info": traj.reward_info, "response_text": response_text}
 
 
 class AgentLoopWorker:
     def __init__(self, tokenizer_path: str, balancer: Any, loop: str, max_response_length: int,
                  store: SampleStore, tools: list[str] | None = None, max_turns: int = 4,
                  policy: FaultPolicy | None = None, fully_async: bool = False) -> None:
+        """`policy`: the rollout config section (its tool parser and tool-call limit configure the toolbox)."""
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
@@ -50,11 +43,11 @@ class AgentLoopWorker:
         # Connect to the store's actors now: a first call from this process costs seconds on a busy host, which
         # would otherwise delay whichever trajectories finish first.
         store.wait_ready()
-        cls = agent_loop_class(loop)
-        kwargs = {"tools": load_tools(tools or []), "max_turns": max_turns} if loop == "tool" else {}
+        policy = policy or FaultPolicy()
+        toolbox = ToolBox(load_tools(tools or []), load_parser(policy.tool_parser), max_turns, policy.max_tool_calls)
         # Async trainer modes abort requests for weight syncs; the fully-async client continues them (partial rollout).
         client = (FullyAsyncLLMServerClient if fully_async else LLMServerClient)(balancer, policy)
-        self.loop = cls(tokenizer, client, max_response_length, **kwargs)
+        self.loop = agent_loop_class(loop)(tokenizer, client, max_response_length, toolbox)
 
     async def generate(self, samples: list[dict[str, Any]], n: int, sampling: dict[str, Any]) -> list[dict[str, Any]]:
         """`n` independent sessions per sample, all concurrent; records in (sample, i) order, their payloads in the
