@@ -129,7 +129,8 @@ def test_training_tokens_are_the_engine_output_ids(trainer, two_steps):
 def test_driver_moves_keys_and_scalars_and_the_store_empties_after_each_step(trainer, two_steps):
     _, _, trajectories, batch = two_steps
     assert_no_token_data(trajectories)
-    assert batch.jagged == {} and set(batch.keys()) <= {"key", "uid", "score", "length", "is_noop", "advantage"}
+    assert batch.jagged == {} and set(batch.keys()) <= {"key", "uid", "score", "length", "is_noop", "advantage",
+                                                    "min_version"}  # the oldest token's weight version
     # the actor's workers wrote old log-probs under the keys of the second update's rows (step 0: equal to the
     # rollout's on model tokens); the first update trained on-policy, π_old from its own forward
     payloads = trainer.step_payloads[0]
