@@ -28,8 +28,6 @@ ENGINE_ARG_CLASSES: dict[str, tuple[tuple[str, str], ...]] = {
     "vllm": (("vllm.engine.arg_utils", "AsyncEngineArgs"),),
     "trtllm": (("tensorrt_llm.llmapi.llm_args", "TorchLlmArgs"), ("tensorrt_llm.llmapi", "LlmArgs")),
 }
-# The sglang and hf adapters take their own keys (rollout_adapters/fields.py says which and why).
-ADAPTER_KEYS = ADAPTER_ENGINE_KWARGS
 
 
 def _field_names(cls: type) -> frozenset[str]:
@@ -41,8 +39,8 @@ def _field_names(cls: type) -> frozenset[str]:
 @cache
 def engine_arguments(backend: str) -> frozenset[str] | None:
     """The engine-argument names `backend` accepts here; None when its engine is not installed."""
-    if backend in ADAPTER_KEYS:
-        return frozenset(ADAPTER_KEYS[backend])
+    if backend in ADAPTER_ENGINE_KWARGS:  # their adapters, not engine classes, take the keys
+        return frozenset(ADAPTER_ENGINE_KWARGS[backend])
     for module, name in ENGINE_ARG_CLASSES.get(backend, ()):
         try:
             with _quiet_import():

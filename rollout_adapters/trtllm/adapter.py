@@ -59,7 +59,8 @@ class TRTLLMAdapter(RolloutAdapter):
         kv_cache = {"enable_block_reuse": enable_prefix_caching}
         if gpu_memory_utilization is not None:
             kv_cache["free_gpu_memory_fraction"] = gpu_memory_utilization
-        settings = {"max_batch_size": max_num_seqs, "max_num_tokens": max_num_batched_tokens}
+        settings = {k: v for k, v in {"max_batch_size": max_num_seqs, "max_num_tokens": max_num_batched_tokens}.items()
+                    if v is not None}
         if enforce_eager:
             settings["cuda_graph_config"] = None  # TorchLlmArgs: None turns decode CUDA graphs off
         self.llm_kwargs = dict(
@@ -72,7 +73,7 @@ class TRTLLMAdapter(RolloutAdapter):
             kv_cache_config=kv_cache,
             # sleep/wake release tagged memory only when the engine was built for it
             enable_sleep=enable_sleep_mode is not False,
-            **{k: v for k, v in settings.items() if v is not None or k == "cuda_graph_config"},
+            **settings,
             **extra,
         )
         self.seed = seed

@@ -6,8 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mrl.data.synthetic import exact_match_reward  # noqa: F401  (the reward path below names it)
-
 REWARD_FN = "mrl.data.synthetic:exact_match_reward"
 
 
