@@ -21,9 +21,9 @@ from mrl.trainer.ppo_trainer import PPOTrainer
 
 pytestmark = pytest.mark.integration
 
-# LONG: the budget the long last turns run to; long enough that they are still generating when the short groups
-# fill step 1 (the colocate_async test relies on the same race).
-B, N, STEPS, VOCAB, LONG, TURNS = 2, 2, 2, 512, 192, 3
+# LONG: the budget the long last turns run to. The colocate_async run needs them still generating when the short
+# groups fill step 1 (a race: 192 tokens once finished first on a fast CI host), so it gives them LONG_ASYNC.
+B, N, STEPS, VOCAB, LONG, LONG_ASYNC, TURNS = 2, 2, 2, 512, 192, 1024, 3
 
 
 class CallPythonEveryTurn:
@@ -45,7 +45,7 @@ class ShortTurnsThenLong(ToolAgentLoop):
 
 OVERRIDES = [
     f"data.train_batch_size={B}", "actor.ppo_mini_batch_size=1", f"rollout.n={N}", "rollout.name=hf",
-    f"data.max_response_length={LONG}", f"trainer.total_training_steps={STEPS}", "data.max_prompt_length=128",
+    f"trainer.total_training_steps={STEPS}", "data.max_prompt_length=128",
     f"rollout.agent_loop={__name__}:ShortTurnsThenLong", f"rollout.max_turns={TURNS}",
     "rollout.tools=[mrl.rollout.agent_loop.python_tool:PythonTool]",
     f"rollout.tool_parser={__name__}:CallPythonEveryTurn",
@@ -66,7 +66,8 @@ class AsyncRecorder(ColocateAsyncTrainer):
 
 @pytest.fixture(scope="module")
 def sync_run(ray_cluster, tmp_path_factory):
-    trainer = tiny_trainer(SyncRecorder, "tiny/grpo", tmp_path_factory.mktemp("tool_sync"), OVERRIDES, list("abc"),
+    trainer = tiny_trainer(SyncRecorder, "tiny/grpo", tmp_path_factory.mktemp("tool_sync"),
+                           [*OVERRIDES, f"data.max_response_length={LONG}"], list("abc"),
                            vocab_size=VOCAB)
     with stepped(trainer, STEPS) as result:
         pass
@@ -110,7 +111,7 @@ def test_sync_trajectories_have_their_turns_tool_answers_and_masked_observations
 @pytest.fixture(scope="module")
 def async_run(ray_cluster, tmp_path_factory, sync_run):  # after the sync run: one trainer at a time
     trainer = tiny_trainer(AsyncRecorder, "tiny/grpo_colocate_async", tmp_path_factory.mktemp("tool_async"),
-                           OVERRIDES, list("abc"), vocab_size=VOCAB)
+                           [*OVERRIDES, f"data.max_response_length={LONG_ASYNC}"], list("abc"), vocab_size=VOCAB)
     with stepped(trainer, STEPS) as result:
         pass
     return result
@@ -124,5 +125,5 @@ def test_colocate_async_multi_turn_trajectories_continue_across_the_weight_sync(
     assert spanning and all((t["min_version"], t["max_version"]) == (0, 1) for t in spanning)
     for t in spanning:  # all turns, both tool answers and the whole budget: nothing lost across the abort
         assert t["num_turns"] == TURNS and t["tool_calls"] == TURNS - 1 and t["tool_errors"] == 0
-        assert t["response_len"] == LONG
+        assert t["response_len"] == LONG_ASYNC
         assert [v for *_, v in t["version_spans"]][-1] == 1

@@ -6,12 +6,14 @@ recomputed ones within 1e-4, stamped with the new version); the sync runs abort 
 → resume on the server, in that order; trajectories that a sync interrupted continue on the new weights and record
 min_version < max_version; no trained sample is staler than weight_sync.staleness_threshold.
 
-Whether generation is still running when a step ends depends on the machine's load (on a loaded 2-core host the
-pool sometimes finished every group during the update). So in step 2 the test pauses the pool mid-generation
-(abort_all: partial tokens kept, re-sent requests parked) for the update, as a slow generation would be; the
-step's sync then resumes them on the new weights. Steps 1 and 3 run unpaused. Each probe runs before the producer
-learns the new version: the groups that version admits start only after it, so they cannot all finish during the
-probe (on a host running at half speed they once did, leaving nothing to pause).
+Whether generation is still running when a step ends depends on the machine's load (on a loaded 2-core host the pool
+sometimes finished every group during the update). So in step 2 the test pauses the pool mid-generation (abort_all:
+partial tokens kept, re-sent requests parked) for the update, as a slow generation would be; the step's sync then
+resumes them on the new weights. How long to let them run before the pause is paced by the engine itself: a
+128-token request sent beside them is batched with them, so when it returns they hold about as many tokens, far from
+1024 (a fixed 1.5 s was past the whole 1024 tokens on a fast CI host). Steps 1 and 3 run unpaused. Each probe runs
+before the producer learns the new version: the groups that version admits start only after it, so they cannot all
+finish during the probe (on a host running at half speed they once did, leaving nothing to pause).
 """
 
 from __future__ import annotations
@@ -53,11 +55,12 @@ class ProbingTrainer(SeparateAsyncTrainer):
         return trajectories
 
     def pause_mid_generation(self) -> None:
-        """Once the groups started after the last sync are generating, give them 1.5 s of tokens, then pause."""
+        """Once the groups started after the last sync are generating, let them make ~128 tokens, then pause."""
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not any(h["in_flight"] for h in self.parts.rollout.health().values()):
             time.sleep(0.05)
-        time.sleep(1.5)
+        pace = {"temperature": 1.0, "max_tokens": 128, "ignore_eos": True}
+        asyncio.run(self.parts.rollout.client().generate("pace", PROBE_PROMPT, pace))
         self.paused = sum(self.parts.rollout.abort_all())
 
     def sync_weights(self) -> None:
