@@ -190,15 +190,18 @@ class Bridge:
         chunks: Sequence[torch.nn.Module],
         *,
         dtype: torch.dtype | None = None,
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+        tp_slices: bool = False,
+    ) -> Iterator[tuple]:
         """Every HF tensor as (hf_name, tensor), on every rank (collective: all ranks must iterate it fully).
 
         Gathers over TP / expert-TP, gathers experts over EP, broadcasts from the owning PP stage. Tensors
         may be views of parameters when no gather was needed: copy them if the model changes meanwhile.
+        `tp_slices`: dense TP-split tensors come as (hf_name, this rank's slice, TpSlice) instead (every rank
+        must pass the same value; bridges/export.py).
         """
         from bridges.export import export_stream
 
-        return export_stream(self, chunks, dtype=dtype)
+        return export_stream(self, chunks, dtype=dtype, tp_slices=tp_slices)
 
     def export_plan(self, chunks: Sequence[torch.nn.Module], *, dtype: torch.dtype | None = None) -> Any:
         """The export plan (collective the first time, then cached): every unit's HF names, shapes and bytes,

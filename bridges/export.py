@@ -10,6 +10,12 @@ same plan so the collectives line up:
 So every rank yields the full stream: what a colocated rollout replica on each rank needs. A destination that
 needs only part (e.g. a standalone replica fed by one rank) filters the names; the collectives still run on
 all ranks.
+
+With `tp_slices` (a weight sync into an engine whose TP ranks sit on the same devices as the trainer's, in the
+same order) the dense TP-split tensors skip step 1: each rank yields its own slice of the HF tensors, tagged
+with a `TpSlice`, and with PP > 1 the owning stage broadcasts slices, not merged tensors, so every device moves
+about 1/TP of those bytes. Vocabulary-parallel tensors (the engine pads the vocabulary its own way) and experts
+stay whole.
 """
 
 from __future__ import annotations
@@ -21,11 +27,29 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from bridges.mapping import ModelShape, Shard
+from bridges.mapping import FusedQKV, GatedMLP, Mapping, ModelShape, Shard
 from bridges.names import LocalTensor, with_expert
 
 if TYPE_CHECKING:
     from bridges.bridge import Bridge
+
+
+# Megatron-core's vocabulary-parallel tensors: engines split the (padded) vocabulary differently.
+VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+@dataclass(frozen=True)
+class TpSlice:
+    """A tensor of the stream sent as TP rank `rank`'s slice (of `size`) along `dim` of the HF tensor."""
+
+    dim: int
+    rank: int
+    size: int
+
+    def full_shape(self, shape: Sequence[int]) -> list[int]:
+        full = list(shape)
+        full[self.dim] *= self.size
+        return full
 
 
 @dataclass(frozen=True)
@@ -51,6 +75,7 @@ class Plan:
     local_experts: int
     dtype: torch.dtype | None
     shape: ModelShape
+    tp_size: int = 1
 
 
 def _describe(
@@ -107,13 +132,29 @@ def build_plan(bridge: Bridge, chunks: Sequence[torch.nn.Module], dtype: torch.d
         unit = _describe(bridge, tensor, bridge.shard_of(tensor), stage, (ep_rank, ep_size, local_experts), dtype)
         if unit is not None:
             mine.append(unit)
-    pp_size = ps.get_pipeline_model_parallel_world_size()
+    pp_size, tp_size = ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
     if pp_size == 1:
-        return Plan(mine, ep_size, local_experts, dtype, shape)
+        return Plan(mine, ep_size, local_experts, dtype, shape, tp_size)
     per_stage: list[list[Unit] | None] = [None] * pp_size
     dist.all_gather_object(per_stage, mine, group=ps.get_pipeline_model_parallel_group())
     units = [u for stage_units in per_stage for u in stage_units or []]
-    return Plan(units, ep_size, local_experts, dtype, shape)
+    return Plan(units, ep_size, local_experts, dtype, shape, tp_size)
+
+
+def sliceable(bridge: Bridge, unit: Unit, plan: Plan) -> bool:
+    """Whether `tp_slices` sends this unit as TP slices: a dense tensor split over TP by one of the primitives
+    whose HF outputs split the same way (plain column/row, fused QKV, gate-up), not vocabulary-parallel, not an
+    expert (engines' fused-MoE loaders are not checked against expert slices)."""
+    mapping = bridge.table[unit.mapping_index]
+    expert = unit.is_expert or ".experts." in unit.name
+    return (plan.tp_size > 1 and not expert and mapping.tp_dim is not None
+            and type(mapping) in (Mapping, FusedQKV, GatedMLP) and unit.name not in VOCAB_PARALLEL)
+
+
+def _local_shape(unit: Unit, plan: Plan, mapping: Mapping) -> tuple[int, ...]:
+    shape = list(unit.full_shape)
+    shape[mapping.tp_dim] //= plan.tp_size  # type: ignore[index]
+    return tuple(shape)
 
 
 def plan_for(bridge: Bridge, chunks: Sequence[torch.nn.Module], dtype: torch.dtype | None) -> Plan:
@@ -134,8 +175,9 @@ def _copies(unit: Unit, plan: Plan) -> int:
     return plan.ep_size if unit.is_expert and unit.local_expert is not None else 1
 
 
-def _owned(bridge: Bridge, unit: Unit, local: dict[str, LocalTensor], plan: Plan) -> list[torch.Tensor]:
-    """On the owning stage: the unit's unsharded Megatron tensor(s), one per EP rank for experts (TP/EP gathers)."""
+def _owned(bridge: Bridge, unit: Unit, local: dict[str, LocalTensor], plan: Plan, sliced: bool) -> list[torch.Tensor]:
+    """On the owning stage: the unit's unsharded Megatron tensor(s), one per EP rank for experts (TP/EP gathers);
+    `sliced`: this rank's TP shard as it is."""
     from megatron.core import parallel_state as ps
 
     mapping = bridge.table[unit.mapping_index]
@@ -145,6 +187,8 @@ def _owned(bridge: Bridge, unit: Unit, local: dict[str, LocalTensor], plan: Plan
     tensor = local[own]
     shard = bridge.shard_of(tensor)
     full = tensor.tensor.detach()
+    if sliced:
+        return [full]
     if mapping.tp_dim is not None and shard.size > 1:
         group = ps.get_expert_tensor_parallel_group() if tensor.is_expert else ps.get_tensor_model_parallel_group()
         full = mapping.merge(_gather(full, group, shard.size), plan.shape)
@@ -153,9 +197,9 @@ def _owned(bridge: Bridge, unit: Unit, local: dict[str, LocalTensor], plan: Plan
 
 
 def _materialise(
-    bridge: Bridge, units: Sequence[Unit], local: dict[str, LocalTensor], plan: Plan
+    bridge: Bridge, units: Sequence[Unit], local: dict[str, LocalTensor], plan: Plan, sliced: Sequence[bool]
 ) -> list[list[torch.Tensor]]:
-    """The unsharded tensors of a bucket's units on every rank.
+    """The unsharded tensors (this rank's TP slices where `sliced`) of a bucket's units on every rank.
 
     With PP > 1 the units of one owning stage (and dtype) travel as one flat broadcast per bucket, so a bucket
     costs a few collectives instead of one per tensor.
@@ -164,7 +208,7 @@ def _materialise(
 
     stage = ps.get_pipeline_model_parallel_rank()
     out: list[list[torch.Tensor] | None] = [
-        _owned(bridge, unit, local, plan) if unit.stage == stage else None for unit in units
+        _owned(bridge, unit, local, plan, cut) if unit.stage == stage else None for unit, cut in zip(units, sliced)
     ]
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return out  # type: ignore[return-value]
@@ -173,7 +217,8 @@ def _materialise(
     for i, unit in enumerate(units):
         owners.setdefault((unit.stage, unit.dtype), []).append(i)
     for (owner, dtype), members in owners.items():
-        shapes = [unit.full_shape for i in members for unit in [units[i]] for _ in range(_copies(unit, plan))]
+        shapes = [_local_shape(unit, plan, bridge.table[unit.mapping_index]) if sliced[i] else unit.full_shape
+                  for i in members for unit in [units[i]] for _ in range(_copies(unit, plan))]
         numels = [torch.Size(s).numel() for s in shapes]
         if owner == stage:
             owned = [t.reshape(-1) for i in members for t in out[i]]  # type: ignore[union-attr]
@@ -199,21 +244,29 @@ def _config_of(chunk: torch.nn.Module):
 
 
 def _hf_tensors(
-    bridge: Bridge, unit: Unit, fulls: list[torch.Tensor], plan: Plan
-) -> Iterator[tuple[str, torch.Tensor]]:
+    bridge: Bridge, unit: Unit, fulls: list[torch.Tensor], plan: Plan, sliced: bool
+) -> Iterator[tuple]:
     mapping = bridge.table[unit.mapping_index]
+    shape, tag = plan.shape, ()
+    if sliced:  # this rank's slice: the geometry of its own query groups, and which slice it is
+        from megatron.core import parallel_state as ps
+
+        tp, rank = plan.tp_size, ps.get_tensor_model_parallel_rank()
+        shape = ModelShape(shape.num_heads // tp, shape.num_query_groups // tp, shape.head_dim)
+        tag = (TpSlice(mapping.tp_dim, rank, tp),)  # type: ignore[arg-type]
     for ep_rank, full in enumerate(fulls):
         indices = unit.indices
         if len(fulls) > 1:
             indices = (*indices[:-1], indices[-1] + ep_rank * plan.local_experts)
-        for name, tensor in zip(mapping.export_names(indices), mapping.to_hf(full, plan.shape)):
-            yield name, tensor if plan.dtype is None else tensor.to(plan.dtype)
+        for name, tensor in zip(mapping.export_names(indices), mapping.to_hf(full, shape)):
+            yield name, tensor if plan.dtype is None else tensor.to(plan.dtype), *tag
 
 
 def export_stream(
-    bridge: Bridge, chunks: Sequence[torch.nn.Module], *, dtype: torch.dtype | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    for bucket in _walk(bridge, chunks, None, dtype):
+    bridge: Bridge, chunks: Sequence[torch.nn.Module], *, dtype: torch.dtype | None = None, tp_slices: bool = False
+) -> Iterator[tuple]:
+    """(hf_name, tensor) per HF tensor; with `tp_slices`, (hf_name, slice, TpSlice) for the sliceable ones."""
+    for bucket in _walk(bridge, chunks, None, dtype, tp_slices):
         yield from bucket
 
 
@@ -239,8 +292,9 @@ def bucket_bounds(plan: Plan, bucket_bytes: int | None) -> list[tuple[int, int]]
 
 
 def _walk(
-    bridge: Bridge, chunks: Sequence[torch.nn.Module], bucket_bytes: int | None, dtype: torch.dtype | None
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    bridge: Bridge, chunks: Sequence[torch.nn.Module], bucket_bytes: int | None, dtype: torch.dtype | None,
+    tp_slices: bool = False,
+) -> Iterator[list[tuple]]:
     plan = plan_for(bridge, chunks, dtype)
     key = ("bounds", id(plan), bucket_bytes)
     if key not in bridge._export_plans:
@@ -254,7 +308,8 @@ def _walk(
     with torch.no_grad():
         for start, stop in bridge._export_plans[key]:
             units = plan.units[start:stop]
-            bucket: list[tuple[str, torch.Tensor]] = []
-            for unit, fulls in zip(units, _materialise(bridge, units, local, plan)):
-                bucket.extend(_hf_tensors(bridge, unit, fulls, plan))
+            sliced = [tp_slices and sliceable(bridge, unit, plan) for unit in units]
+            bucket: list[tuple] = []
+            for unit, cut, fulls in zip(units, sliced, _materialise(bridge, units, local, plan, sliced)):
+                bucket.extend(_hf_tensors(bridge, unit, fulls, plan, cut))
             yield bucket

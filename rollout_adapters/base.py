@@ -205,9 +205,10 @@ class RolloutAdapter(ABC):
         """Same as update_weights, for a stream already packed into safetensors buckets (the wire format)."""
         return await self._update(lambda: self._load_weights(_aiter(buckets)), version)
 
-    async def receive_weights(self, spec: dict[str, Any], rank: int, version: int) -> int:
+    async def receive_weights(self, spec: dict[str, Any] | list, rank: int, version: int) -> int:
         """Same as update_weights, with the tensors arriving through a weight-sync transport (mrl/weight_sync):
-        this engine's workers join the sender's group as ranks `rank`, `rank` + 1, …"""
+        this engine's workers join the sender's group as ranks `rank`, `rank` + 1, …; or, given a list (a
+        per-device sync, mrl/rollout/device_sync.py), worker i joins group `spec[i][0]` as rank `spec[i][1]`."""
         return await self._update(lambda: self._receive_weights(spec, rank), version)
 
     async def _update(self, load: Any, version: int) -> int:

@@ -66,8 +66,9 @@ class MegatronBridgeBackend:
         self._bridge.load_hf_weights(list(chunks), str(folder))
 
     def export(
-        self, chunks: Sequence[torch.nn.Module], *, dtype: torch.dtype | None = None
+        self, chunks: Sequence[torch.nn.Module], *, dtype: torch.dtype | None = None, tp_slices: bool = False
     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Whole tensors only (`tp_slices` is a request a weight sync may make; whole tensors always satisfy it)."""
         for name, tensor in self._bridge.export_hf_weights(list(chunks)):
             yield name, tensor if dtype is None else tensor.to(dtype)
 

@@ -390,6 +390,10 @@ class WeightSyncConfig:
     # nccl transport: keep the sync group (communicator, buffers, control store) from one sync to the next while the
     # replicas stay the same, instead of building it every sync (hundreds of ms on two GPUs); a failure rebuilds it.
     keep_group: bool = True
+    # ipc: where the rollout engine's TP ranks sit on the devices of the trainer's TP ranks in the same order
+    # (engine TP = actor TP), each device receives only its own TP slice of the dense TP-split tensors instead of
+    # whole tensors (about 1/TP of those bytes; metrics weight_sync/bytes_sliced and bytes_whole).
+    tp_slices: bool = True
 
     def sender_kwargs(self) -> dict[str, Any]:
         """Transport-specific arguments of mrl.weight_sync.make_sender."""

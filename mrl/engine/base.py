@@ -66,8 +66,9 @@ class BaseEngine(ABC):
         """Move the selected training state to `device` ("cpu" to free the accelerator, "cuda" to come back)."""
 
     @abstractmethod
-    def export_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """Full (unsharded) weights under their HF names, one tensor at a time."""
+    def export_weights(self, tp_slices: bool = False) -> Iterator[tuple]:
+        """Full (unsharded) weights under their HF names, one tensor at a time; `tp_slices`: the dense TP-split
+        ones as (name, this rank's slice, TpSlice) where the engine can (bridges/export.py)."""
 
     @abstractmethod
     def save_checkpoint(self, path: str) -> None:

@@ -119,6 +119,11 @@ class ReplicaSpec:
         }
 
 
+def server_rank(server_id: str) -> int:
+    """The replica rank inside a server id (`RolloutReplica.server_id`): which slots the replica sits on."""
+    return int(server_id.split("-")[-2])
+
+
 class RolloutReplica:
     def __init__(self, replica_rank: int, spec: ReplicaSpec, mode: RolloutMode | str) -> None:
         spec.footprint.check(spec.backend)

@@ -86,12 +86,15 @@ class RolloutServer:
 
         return await self.adapter.update_weights_from_buckets(buckets(), version)
 
-    async def receive_weights(self, spec: dict[str, Any], rank: int, version: int) -> int:
-        """Load weights arriving through a weight-sync transport (mrl/weight_sync), as group ranks `rank`…"""
+    async def receive_weights(self, spec: dict[str, Any] | list, rank: int, version: int) -> int:
+        """Load weights arriving through a weight-sync transport (mrl/weight_sync), as group ranks `rank`…, or
+        (a list: per-device sync) as one (spec, group rank) per engine worker."""
         try:
             return await self.adapter.receive_weights(spec, rank, version)
         except Exception as error:
-            report_failure(spec, rank, error)  # the sender stops at once instead of waiting out its deadline
+            # The senders stop at once instead of waiting out their deadline.
+            for each, each_rank in spec if isinstance(spec, list) else [(spec, rank)]:
+                report_failure(each, each_rank, error)
             raise
 
     async def abort_all(self) -> int:

@@ -30,6 +30,7 @@ from mrl.data.replay_buffer import ReplayBuffer, pad_with_noops
 from mrl.data.sample_store import SampleStore
 from mrl.data.samples import light_batch
 from mrl.reward.evaluator import RewardEvaluator, RewardItem
+from mrl.rollout.device_sync import device_sync_metrics
 from mrl.trainer import batching, checkpointing
 from mrl.trainer.metrics import (
     ModelFlops,
@@ -90,6 +91,7 @@ class PPOTrainer:
             a.kl_ctrl_type, a.kl_coef, a.kl_target, a.kl_horizon)) if a.use_kl_in_reward else None
         self.kl_metrics: dict[str, float] = {}
         self.handover_memory: dict[str, float] = {}  # device memory at each hybrid hand-over (GiB in use)
+        self.sync_metrics: dict[str, float] = {}  # bytes the last weight sync moved (per device, sliced / whole)
         self.old_log_prob_share = 1.0  # of the batch's rows the last old log-prob pass computed (MFU)
 
     # ---- the loop ---------------------------------------------------------------------------------------------
@@ -142,6 +144,7 @@ class PPOTrainer:
             self.sync_weights()
         metrics = self.step_metrics(trajectories, actor_out, mismatch)
         metrics.update(self.take_handover_memory())
+        metrics.update(self.sync_metrics)
         if self.parts.critic is not None:
             metrics.update(mean_over_updates(critic_out))
         if c.trainer.test_freq > 0 and self.global_steps % c.trainer.test_freq == 0 and self.parts.val_data:
@@ -172,7 +175,7 @@ class PPOTrainer:
             with t("sync/wake_weights"):
                 self.parts.rollout.wake_up(["weights"])
         with t("sync/update"):  # export, transfer and load, pipelined bucket by bucket
-            self.parts.actor_rollout.update_weights(self.global_steps)
+            self.sync_metrics = device_sync_metrics(self.parts.actor_rollout.update_weights(self.global_steps))
         if asleep:  # the export needed the actor's weights on the device; now the rollout gets the memory back
             self.give_devices_to_rollout()
 

@@ -6,6 +6,11 @@ bytes `offset … offset+nbytes` of the bucket are bytes `start … start+nbytes
 A tensor larger than a bucket is split across consecutive buckets; every other tensor lies whole in one bucket at
 an aligned offset, so the receiver takes a view of the buffer instead of a copy. Only split tensors are staged
 (re-assembled in their own memory) on the receiver.
+
+A stream item may also be (name, slice, tp_slice) with `tp_slice` = (dim, rank, size) (bridges.export.TpSlice):
+the sender's TP rank's slice of the tensor, for an engine rank on the same device that keeps the same slice. Its
+entry carries the triple; the reader hands the engine the full-shaped tensor with the slice in place (the rest
+left unset): engines' TP weight loaders narrow a full tensor to their rank's slice, which is exactly that one.
 """
 
 from __future__ import annotations
@@ -18,7 +23,12 @@ import torch
 # Offsets are rounded up so that every view is aligned for any dtype (and for vectorised copies).
 ALIGN = 256
 
-Entry = list  # [name, dtype, shape, offset, nbytes, start, total]
+Entry = list  # [name, dtype, shape, offset, nbytes, start, total] (+ [[dim, rank, size]] for a TP slice)
+
+
+def completed(entries: list[Entry]) -> int:
+    """How many tensors end in these entries (the last piece of each)."""
+    return sum(e[5] + e[4] == e[6] for e in entries)
 
 
 def _align(n: int) -> int:
@@ -34,7 +44,7 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def fill_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    named_tensors: Iterable[tuple],
     buffers: list[torch.Tensor],
     before_reuse: Callable[[int], None],
 ) -> Iterator[tuple[int, int, list[Entry], int]]:
@@ -55,13 +65,14 @@ def fill_buckets(
         if k >= len(buffers):
             before_reuse(k)
 
-    for name, tensor in named_tensors:
+    for name, tensor, *tp_slice in named_tensors:
         if name in seen:
             raise ValueError(f"weight stream repeats tensor {name!r}")
         seen.add(name)
         total, done = tensor.numel() * tensor.element_size(), 0
         src = functools.cache(lambda tensor=tensor: as_bytes(tensor))  # flattened only if the tensor is split
         meta = [name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
+        tail = [[tp_slice[0].dim, tp_slice[0].rank, tp_slice[0].size]] if tp_slice else []
         while done < total or (total == 0 and done == 0):
             start = _align(used)
             room = capacity - start
@@ -75,7 +86,7 @@ def fill_buckets(
                 dst.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach(), non_blocking=True)
             else:
                 dst.copy_(src()[done : done + n], non_blocking=True)
-            entries.append([*meta, start, n, done, total])
+            entries.append([*meta, start, n, done, total, *tail])
             used, done = start + n, done + n
             if total == 0:
                 break
@@ -92,7 +103,7 @@ class BucketReader:
 
     def read(self, buffer: torch.Tensor, entries: list[Entry]) -> list[tuple[str, torch.Tensor]]:
         named = []
-        for name, dtype, shape, offset, nbytes, start, total in entries:
+        for name, dtype, shape, offset, nbytes, start, total, *tp_slice in entries:
             piece = buffer[offset : offset + nbytes]
             if nbytes != total:
                 staged = self._staged.get(name)
@@ -102,9 +113,19 @@ class BucketReader:
                 if start + nbytes < total:
                     continue
                 piece = self._staged.pop(name)
-            named.append((name, piece.view(getattr(torch, dtype)).view(shape)))
+            tensor = piece.view(getattr(torch, dtype)).view(shape)
+            named.append((name, in_full_shape(tensor, *tp_slice[0]) if tp_slice else tensor))
         return named
 
     def check_complete(self) -> None:
         if self._staged:
             raise RuntimeError(f"weight stream ended inside split tensors {sorted(self._staged)}")
+
+
+def in_full_shape(piece: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    """The full-shaped tensor whose TP slice `rank` of `size` along `dim` is `piece` (the rest is not set)."""
+    shape = list(piece.shape)
+    shape[dim] *= size
+    full = torch.empty(shape, dtype=piece.dtype, device=piece.device)
+    full.narrow(dim, rank * piece.shape[dim], piece.shape[dim]).copy_(piece)
+    return full

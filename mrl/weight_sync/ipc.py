@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from mrl.weight_sync.base import WeightReceiver, WeightSender, sync_device
-from mrl.weight_sync.buckets import BucketReader, fill_buckets
+from mrl.weight_sync.buckets import BucketReader, completed, fill_buckets
 
 NUM_BUFFERS = 2
 
@@ -86,7 +86,7 @@ class IpcSender(WeightSender):
             else:
                 sync_device()  # e.g. device tensors copied into host shared memory
             c.set({"slot": slot, "entries": entries}, "meta", k)
-            count += sum(start + nbytes == total for *_, nbytes, start, total in entries)
+            count += completed(entries)
             k += 1
         c.set({"end": True}, "meta", k)
         for old in range(max(k - NUM_BUFFERS, 0), k):

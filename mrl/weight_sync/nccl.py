@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from mrl.weight_sync.base import Control, WeightReceiver, WeightSender, sync_device, timeout_error
-from mrl.weight_sync.buckets import BucketReader, fill_buckets
+from mrl.weight_sync.buckets import BucketReader, completed, fill_buckets
 
 NUM_BUFFERS = 2
 
@@ -117,7 +117,7 @@ class NcclSender(WeightSender):
             # process group orders its stream after the current one), so the host only runs ahead.
             c.set({"entries": entries, "bytes": used}, "meta", k)
             works[slot] = (broadcast(self.group, self.buffers[slot][:used]), k)
-            count += sum(start + nbytes == total for *_, nbytes, start, total in entries)
+            count += completed(entries)
             k += 1
         c.set({"end": True}, "meta", k)
         self.buckets_sent = k

@@ -231,24 +231,32 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     @tracks_memory("update_weights")
-    def update_weights(self, global_steps: int) -> int:
+    def update_weights(self, global_steps: int) -> dict[str, Any]:
         """Stream the actor's HF-named weights to every rollout replica, stamped with `global_steps`, through the
         transport `weight_sync.transport` (mrl/weight_sync).
 
-        Every rank iterates the export (it gathers over TP and broadcasts from the owning PP stage); rank 0 ships
-        the stream. Returns the tensors loaded per replica (rank 0) or 0.
+        Every rank iterates the export (it gathers over TP and broadcasts from the owning PP stage). With `ipc`
+        every rank ships it to the engine workers on its own device, as TP slices where the layouts pair
+        (mrl/rollout/device_sync.py); otherwise rank 0 ships it to all. Returns what this rank sent (tensors,
+        bytes as slices and whole; rank 0: tensors loaded per replica).
         """
         assert self.actor is not None, "init_model first"
+        ws = self.config.weight_sync
+        if ws.transport == "ipc" and self.rollout is not None:
+            from mrl.rollout.device_sync import sync_per_device, tp_slices_pair
+
+            trainer_tp = self.config.actor.megatron.tensor_model_parallel_size
+            slices = ws.tp_slices and tp_slices_pair(self.rollout.spec.footprint, trainer_tp)
+            return sync_per_device(self.rollout, self.actor.engine.export_weights(tp_slices=slices), global_steps,
+                                   ws.bucket_size_mb << 20, ws.timeout_s, **ws.sender_kwargs())
         stream = self.actor.engine.export_weights()
         if self.rank == 0 and self.rollout is not None:
-            ws = self.config.weight_sync
-            return sum(self.rollout.update_weights(
-                stream, global_steps, ws.bucket_size_mb << 20, transport=ws.transport, timeout_s=ws.timeout_s,
-                **ws.sender_kwargs(),
-            ))
+            counts = self.rollout.update_weights(stream, global_steps, ws.bucket_size_mb << 20,
+                                                 transport=ws.transport, timeout_s=ws.timeout_s, **ws.sender_kwargs())
+            return {"replica_tensors": counts}
         for _ in stream:
             pass
-        return 0
+        return {}
 
     @register(Dispatch.ONE_TO_ALL)
     def memory_stats(self) -> dict[str, Any]:

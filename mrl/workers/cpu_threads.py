@@ -35,5 +35,23 @@ def worker_threads(c: MrlConfig, use_gpu: bool) -> int:
 
 
 def engine_env(c: MrlConfig, use_gpu: bool) -> dict[str, str]:
-    """Environment of a rollout server on a CPU host: the slot's compute threads (Ray would set 1)."""
-    return {} if use_gpu else {"OMP_NUM_THREADS": str(worker_threads(c, use_gpu))}
+    """Environment of a rollout server on a CPU host: the slot's compute threads (Ray would set 1) and, for a
+    multi-rank vLLM-CPU engine, its ranks' cores (it refuses to guess them on a single NUMA node)."""
+    if use_gpu:
+        return {}
+    env = {"OMP_NUM_THREADS": str(worker_threads(c, use_gpu))}
+    ranks = c.rollout.tensor_model_parallel_size * c.rollout.pipeline_model_parallel_size
+    if ranks > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cores_per_rank(ranks)
+    return env
+
+
+def cores_per_rank(ranks: int) -> str:
+    """vLLM-CPU's VLLM_CPU_OMP_THREADS_BIND: this host's cores cut into `ranks` contiguous groups ("0|1",
+    "0,1|2,3"); with fewer cores than ranks, ranks share them round robin."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cores) < ranks:
+        return "|".join(str(cores[r % len(cores)]) for r in range(ranks))
+    per = len(cores) // ranks
+    groups = [cores[r * per:(r + 1) * per] for r in range(ranks)]
+    return "|".join(",".join(map(str, g)) for g in groups)

@@ -130,8 +130,11 @@ class HFAdapter(RolloutAdapter):
             count += await self._run(self._load_bucket, blob)
         return count
 
-    async def _receive_weights(self, spec: dict[str, Any], rank: int) -> int:
+    async def _receive_weights(self, spec: dict[str, Any] | list, rank: int) -> int:
         from mrl.weight_sync import receive_into
+
+        if isinstance(spec, list):  # per-device sync: this one worker's own group
+            ((spec, rank),) = spec
 
         # On the model thread: loads never interleave with a forward (and the transport's waits block no loop).
         return await self._run(receive_into, spec, rank, self._load_named)

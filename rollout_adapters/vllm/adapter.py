@@ -161,8 +161,9 @@ class VLLMAdapter(RolloutAdapter):
         await self.engine.collective_rpc("mrl_finish_weight_update")
         return count
 
-    async def _receive_weights(self, spec: dict[str, Any], rank: int) -> int:
-        # Every worker joins the sender's group (ranks rank … rank + TP×PP − 1) and loads the full stream.
+    async def _receive_weights(self, spec: dict[str, Any] | list, rank: int) -> int:
+        # Every worker joins the sender's group (ranks rank … rank + TP×PP − 1), or with a per-device list its
+        # own device's group, and loads the whole stream.
         loaded = await self.engine.collective_rpc("mrl_receive_weights", args=(spec, rank))
         return loaded[0]
 

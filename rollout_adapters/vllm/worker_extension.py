@@ -51,11 +51,16 @@ class WeightReceiverExtension:
         self.model_runner.get_model().load_weights(weights=named)
         return len(named)
 
-    def mrl_receive_weights(self, spec: dict[str, Any], rank: int) -> int:
+    def mrl_receive_weights(self, spec: dict[str, Any] | list, rank: int) -> int:
         """Receive a whole weight stream through the transport in `spec` as group rank `rank` + this worker's
-        rank, loading bucket by bucket (each straight from the transport's buffer where it allows)."""
+        rank, loading bucket by bucket (each straight from the transport's buffer where it allows). A list is one
+        (spec, group rank) per worker: a per-device sync, each worker fed by the trainer rank on its device."""
         from mrl.weight_sync import receive_into
 
+        if isinstance(spec, list):
+            spec, rank = spec[self.rank]
+        else:
+            rank += self.rank
         model = self.model_runner.get_model()
 
         def load(named: list[tuple[str, torch.Tensor]]) -> None:
@@ -63,7 +68,7 @@ class WeightReceiverExtension:
             keep_pending_weights()
 
         self.mrl_begin_weight_update()
-        count = receive_into(spec, rank + self.rank, load)
+        count = receive_into(spec, rank, load)
         self.mrl_finish_weight_update()
         return count
 

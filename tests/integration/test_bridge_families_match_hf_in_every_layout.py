@@ -1,12 +1,12 @@
 """Bridges are exact, in every layout of a 2-process world (one launch; parallel state re-initialised per case).
 
-For each family (tiny random HF models, fp32): Megatron logits equal HF logits within 1e-5 at TP=1 (DP=2),
-TP=2, PP=2, and EP=2 (plus TP=2×EP=2 with expert-TP=1) for MoE families; a tied-embedding 4-layer Llama runs
-at PP=2×VPP=2 and a Llama with Llama-3 RoPE scaling at TP=2. On every rank, export reproduces the HF
-safetensors bit for bit (same names, shapes, values, nothing missing or extra). `save_hf` from a sharded
-layout reloads in transformers with the same logits. The import never holds more than one layer's tensors at
-once, and sharded layouts read less than the whole checkpoint. A bridge whose table leaves a parameter
-unmapped cannot be registered.
+For each family (tiny random HF models, fp32): Megatron logits equal HF logits within 1e-5 at TP=1 (DP=2), TP=2,
+PP=2, and EP=2 (plus TP=2×EP=2 with expert-TP=1) for MoE families; a tied-embedding 4-layer Llama runs at PP=2×VPP=2
+and a Llama with Llama-3 RoPE scaling at TP=2. On every rank, export reproduces the HF safetensors bit for bit (same
+names, shapes, values, nothing missing or extra), and the `tp_slices` export gives each rank exactly its TP slice of
+the dense TP-split tensors (vocabulary, norms and experts whole). `save_hf` from a sharded layout reloads in
+transformers with the same logits. The import never holds more than one layer's tensors at once, and sharded layouts
+read less than the whole checkpoint. A bridge whose table leaves a parameter unmapped cannot be registered.
 """
 
 from __future__ import annotations
@@ -102,6 +102,29 @@ def _check_export(bridge, chunks, folder: str) -> dict[str, list[str]]:
     return {"wrong": wrong, "missing": sorted(expected - seen), "extra": sorted(seen - expected)}
 
 
+def _check_tp_slices(bridge, chunks, folder: str) -> dict[str, object]:
+    """The `tp_slices` export: each sliced tensor is this rank's TP slice of the HF tensor, every other one whole."""
+    from megatron.core import parallel_state as ps
+
+    from bridges.hf_io import HFCheckpoint
+
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    sliced, wrong = [], []
+    with HFCheckpoint(folder) as checkpoint:
+        for name, tensor, *tag in bridge.export(chunks, tp_slices=True):
+            reference = checkpoint(name)[...]
+            if tag:
+                (cut,) = tag
+                sliced.append(name)
+                length = tensor.shape[cut.dim]
+                if cut.rank != tp_rank or cut.size != ps.get_tensor_model_parallel_world_size():
+                    wrong.append(name)
+                reference = reference.narrow(cut.dim, cut.rank * length, length)
+            if reference.shape != tensor.shape or not torch.equal(reference, tensor):
+                wrong.append(name)
+    return {"sliced": sliced, "wrong": wrong}
+
+
 BUCKET_BYTES = 64 * 1024
 
 
@@ -166,6 +189,7 @@ def _run_cases(
             "logits": logits,
             "export": _check_export(bridge, chunks, folder),
             "buckets": _check_buckets(bridge, chunks),
+            "tp_slices": _check_tp_slices(bridge, chunks, folder),
             "peak": stats.peak,
             "total": stats.total,
         }
@@ -280,6 +304,21 @@ def test_export_reproduces_hf_tensors_bit_for_bit(world2, family, layout):
     for rank, results in enumerate(world2["per_rank"]):
         report = results[(family, layout)]["export"]
         assert report == {"wrong": [], "missing": [], "extra": []}, f"rank {rank}: {report}"
+
+
+@pytest.mark.parametrize(("family", "layout"), CASES)
+def test_tp_slices_export_is_each_ranks_slice_of_the_hf_tensors(world2, family, layout):
+    for rank, results in enumerate(world2["per_rank"]):
+        report = results[(family, layout)]["tp_slices"]
+        assert report["wrong"] == [], f"rank {rank}: {report}"
+        names = report["sliced"]
+        if LAYOUTS[layout].get("tp", 1) == 1:
+            assert names == []
+            continue
+        assert not any("embed_tokens" in n or "lm_head" in n or ".experts." in n or "norm" in n for n in names)
+        dense = ("o_proj.weight",) if family == "deepseek_v3" else ("q_proj.weight", "o_proj.weight")
+        for part in dense + (("gate_proj.weight", "down_proj.weight") if family not in MOE else ()):
+            assert any(n.endswith(part) for n in names), (part, names)
 
 
 @pytest.mark.parametrize(("family", "layout"), CASES)

@@ -22,10 +22,8 @@ import asyncio
 import time
 
 import pytest
-from trainer_fixtures import stepped, tiny_trainer
+from trainer_fixtures import stepped, tiny_trainer, trainer_gap
 
-from mrl.data.samples import put_sequences
-from mrl.trainer import batching
 from mrl.trainer.modes import SeparateAsyncTrainer
 
 pytestmark = pytest.mark.integration
@@ -80,12 +78,7 @@ class ProbingTrainer(SeparateAsyncTrainer):
         client = self.parts.rollout.client()
         sampling = {"temperature": 1.0, "max_tokens": 12, "seed": self.global_steps, "ignore_eos": True}
         out = asyncio.run(client.generate(f"probe-{self.global_steps}", PROBE_PROMPT, sampling))
-        key = f"probe-{self.global_steps}"
-        batch = put_sequences(self.store, [key], [{"prompt_ids": PROBE_PROMPT, "response_ids": out.token_ids,
-                                                   "rollout_log_probs": out.log_probs}])
-        mismatch = batching.mismatch_over_ranks(self.parts.actor_rollout.compute_log_prob(batch))
-        self.store.delete([key])
-        return {"version": out.version, **mismatch}
+        return {"version": out.version, **trainer_gap(self, f"probe-{self.global_steps}", PROBE_PROMPT, out)}
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,9 @@ import torch
 from mrl.config.loader import load_config
 from mrl.data.batch import Batch
 from mrl.data.datasets import write_rows
-from mrl.data.samples import fetch
+from mrl.data.samples import fetch, put_sequences
 from mrl.models.tiny import make_tiny_hf_model
+from mrl.trainer import batching
 from mrl.trainer.build import build_trainer, shutdown
 
 
@@ -81,3 +82,14 @@ class KeepsStepTensors:
         self.step_tensors = [*getattr(self, "step_tensors", []), fetch(self.store, batch, fields)]
         self.step_payloads = [*getattr(self, "step_payloads", []), dict(zip(batch["key"], values))]
         super().release_samples(batch)
+
+
+def trainer_gap(trainer: Any, key: str, prompt_ids: list[int], out: Any) -> dict[str, float]:
+    """The rollout-vs-trainer log-prob mismatch metrics of one generated sequence (`out`: a TokenOutput), the
+    trainer's log-probs recomputed by its workers through the sample store."""
+    batch = put_sequences(trainer.store, [key], [{"prompt_ids": prompt_ids, "response_ids": out.token_ids,
+                                                  "rollout_log_probs": out.log_probs}])
+    try:
+        return batching.mismatch_over_ranks(trainer.parts.actor_rollout.compute_log_prob(batch))
+    finally:
+        trainer.store.delete([key])

