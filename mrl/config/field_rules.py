@@ -80,8 +80,11 @@ def _rollout_placement(cfg: DictConfig, _: bool) -> Iterator[Violation]:
     if r.mode == "colocated":
         if cfg.trainer.mode == "sync":  # the async modes' own rules name what they need instead
             yield Violation("rollout.mode", r.mode, "the policy's rollout runs hybrid (on the trainer's devices) "
-                                                    "or standalone (its own pool); colocated is for other engines "
-                                                    "placed beside it through the mrl.rollout API")
+                                                    "or standalone (its own pool); colocated adds nothing for it over "
+                                                    "hybrid with rollout.free_cache_engine=false (same slots, own "
+                                                    "processes, never slept, ipc weights), so use that; colocated "
+                                                    "is for other engines placed beside it through the mrl.rollout "
+                                                    "API")
         return
     if r.mode == "standalone" and (r.nnodes < 1 or r.n_gpus_per_node < 1):
         return  # a pool without slots is reported by the separate_async rules

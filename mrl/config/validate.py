@@ -171,6 +171,10 @@ def _modes(cfg: DictConfig, _: bool) -> Iterator[Violation]:
     if replica == "standalone" and transport == "ipc" and _get(cfg, "trainer.mode") != "separate_async":
         yield Violation("weight_sync.transport", transport,
                         "a standalone rollout pool is on other devices: use nccl or disk, not ipc")
+    if _get(cfg, "rollout.data_parallel_size") > 1:  # else the first weight sync fails (LLMServerManager)
+        yield Violation("rollout.data_parallel_size", _get(cfg, "rollout.data_parallel_size"),
+                        f"weight_sync.transport={transport} reaches the TP×PP workers of one engine, not the "
+                        "engine's own data-parallel ranks: keep 1 and use more replicas (rollout.num_replicas)")
 
 
 @rule

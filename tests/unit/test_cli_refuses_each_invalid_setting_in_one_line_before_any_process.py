@@ -141,8 +141,10 @@ TINY = [
     # where the replicas go (the placement mrl plan and the runtime share)
     (["resources.n_gpus_per_node=3", "rollout.tensor_model_parallel_size=2"], "rollout.tensor_model_parallel_size",
      "must be a multiple of the replica footprint TP×DP×PP = 2"),
-    (["resources.n_gpus_per_node=4", "rollout.data_parallel_size=3"], "rollout.data_parallel_size",
+    (["resources.n_gpus_per_node=4", "rollout.pipeline_model_parallel_size=3"], "rollout.pipeline_model_parallel_size",
      "multiple of the replica footprint TP×DP×PP = 3"),
+    (["resources.n_gpus_per_node=2", "rollout.data_parallel_size=2"], "rollout.data_parallel_size",
+     "reaches the TP×PP workers of one engine"),
     (["rollout.mode=colocated"], "rollout.mode", "hybrid (on the trainer's devices) or standalone"),
     ([*SEPARATE, "rollout.n_gpus_per_node=3", "rollout.tensor_model_parallel_size=2"],
      "rollout.tensor_model_parallel_size", "the standalone pool's 3 device slots"),
