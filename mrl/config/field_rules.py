@@ -91,7 +91,9 @@ def _rollout_placement(cfg: DictConfig, _: bool) -> Iterator[Violation]:
     problem = rollout_placement(cfg).problem()
     if problem is not None:
         setting, why = problem
-        if setting == "footprint":  # the first layout size above 1 is the one to change
+        if setting == "footprint" and r.pd.enabled:
+            setting = "rollout.pd.n_decode"
+        elif setting == "footprint":  # the first layout size above 1 is the one to change
             setting = next((f"rollout.{k}" for k in ("tensor_model_parallel_size", "data_parallel_size",
                                                       "pipeline_model_parallel_size") if r[k] > 1),
                            "rollout.tensor_model_parallel_size")

@@ -1,6 +1,7 @@
 """Where the rollout replicas go: one function for `mrl plan`, the start-up rules and the trainer's build.
 
-A replica occupies TP × DP × PP device slots (its footprint). Hybrid replicas sit on the trainer's slots,
+A replica occupies TP × DP × PP device slots (its footprint; a prefill/decode replica TP_prefill + TP_decode ×
+N_decode). Hybrid replicas sit on the trainer's slots,
 standalone ones on their own pool (rollout.nnodes × rollout.n_gpus_per_node). `rollout.num_replicas` > 0 asks
 for that many (on the first slots); 0 fills the slots, whose count must then be a multiple of the footprint.
 """
@@ -50,6 +51,8 @@ class RolloutPlacement:
 def rollout_placement(cfg: Any) -> RolloutPlacement:
     r, res = cfg.rollout, cfg.resources
     footprint = r.tensor_model_parallel_size * r.data_parallel_size * r.pipeline_model_parallel_size
+    if r.pd.enabled:  # a PD replica: its prefill member's slots, then each decode member's
+        footprint = r.pd.prefill_tp + r.pd.decode_tp * r.pd.n_decode
     standalone = r.mode == "standalone"
     pool = r.nnodes * r.n_gpus_per_node if standalone else res.nnodes * res.n_gpus_per_node
     return RolloutPlacement(pool, footprint, r.num_replicas * footprint if r.num_replicas > 0 else pool, standalone)

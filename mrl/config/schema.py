@@ -202,6 +202,24 @@ class CriticConfig:
 
 
 @dataclass
+class PDConfig:
+    # Prefill/decode-disaggregated replicas (mrl/rollout/pd.py): each replica is one prefill server and n_decode
+    # decode servers passing KV caches over transfer_backend, on prefill_tp + decode_tp × n_decode device slots.
+    enabled: bool = False
+    # Tensor parallel size of the prefill member (its first slots).
+    prefill_tp: int = 1
+    # Tensor parallel size of each decode member (the slots after the prefill member's).
+    decode_tp: int = 1
+    # Decode members per replica; the router sends each session to one of them.
+    n_decode: int = 1
+    # KV transfer: nixl | mooncake (vLLM's KV connectors; SGLang's disaggregation backends).
+    transfer_backend: str = "nixl"
+    # First port of the members' side channels (vLLM's NIXL handshake, SGLang's bootstrap); replica r uses the
+    # ports from base_port + 16 × r.
+    base_port: int = 5600
+
+
+@dataclass
 class RolloutConfig:
     # Inference backend: vllm | sglang | trtllm | hf.
     name: str = "vllm"
@@ -300,6 +318,8 @@ class RolloutConfig:
     # Allow a non-loopback server_host (or a remote SGLang server): whoever reaches those ports can replace the
     # weights or run code in the engine. Trusted networks only.
     allow_remote_access: bool = False
+    # Prefill/decode-disaggregated replicas instead of plain ones (off by default).
+    pd: PDConfig = field(default_factory=PDConfig)
 
 
 @dataclass

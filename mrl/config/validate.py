@@ -12,6 +12,7 @@ import contextvars
 import importlib.util
 import json
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -500,6 +501,35 @@ def _server_host(cfg: DictConfig, _: bool) -> Iterator[Violation]:
         yield Violation("rollout.server_host", host,
                         "not a loopback address: the engines' weight-update endpoints take pickled tensors; keep "
                         "127.0.0.1 or set rollout.allow_remote_access=true (trusted networks only)")
+
+
+@rule
+def _prefill_decode(cfg: DictConfig, _: bool) -> Iterator[Violation]:
+    """rollout.pd: the layouts and backends PD replicas support (the same check PDReplica makes)."""
+    pd = cfg.rollout.pd
+    if not pd.enabled:
+        return
+    from mrl.rollout.pd import PDSpec
+
+    try:
+        PDSpec(pd.prefill_tp, pd.decode_tp, pd.n_decode, transfer_backend=pd.transfer_backend).check(
+            _get(cfg, "rollout.name"))
+    except ValueError as error:  # its messages begin with the setting at fault
+        found = re.match(r"rollout\.[\w.]+", str(error))
+        setting = found.group() if found else "rollout.pd.enabled"
+        message = str(error)
+        yield Violation(setting, _get(cfg, setting), message.split(": ", 1)[-1] if "=" in message[:80] else message)
+    if (_get(cfg, "rollout.name") == "vllm" and pd.transfer_backend == "mooncake"
+            and not _get(cfg, "rollout.allow_remote_access")):
+        yield Violation("rollout.pd.transfer_backend", "mooncake",
+                        "vLLM's Mooncake connector binds its bootstrap server to every interface: use 'nixl', or "
+                        "set rollout.allow_remote_access=true on a trusted network")
+    sizes = [_get(cfg, f"rollout.{k}") for k in ("tensor_model_parallel_size", "data_parallel_size",
+                                                  "pipeline_model_parallel_size")]
+    if sizes != [1, 1, 1]:
+        yield Violation("rollout.tensor_model_parallel_size", sizes[0],
+                        "with rollout.pd.enabled the members' sizes are rollout.pd.prefill_tp / decode_tp; keep "
+                        "rollout.tensor/data/pipeline_model_parallel_size at 1")
 
 
 # ---- async trainer modes (trainer.mode=colocate_async / separate_async; mrl/trainer/modes.py) ----------------------

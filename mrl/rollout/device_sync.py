@@ -31,12 +31,13 @@ from mrl.weight_sync import make_sender
 from mrl.weight_sync.base import TIMEOUT_KNOB
 
 
-def workers_on_slots(server_ids: Iterable[str], footprint: Footprint) -> dict[int, list[tuple[str, int]]]:
-    """slot → [(server id, engine worker index)] of the replicas (a hybrid slot holds one engine worker)."""
+def workers_on_slots(server_ids: Iterable[str], devices: int) -> dict[int, list[tuple[str, int]]]:
+    """slot → [(server id, engine worker index)] of the replicas of `devices` slots each (a hybrid slot holds one
+    engine worker; a PD replica's workers count through its members in slot order)."""
     slots: dict[int, list[tuple[str, int]]] = {}
     for sid in server_ids:
-        first = server_rank(sid) * footprint.devices
-        for worker in range(footprint.devices):
+        first = server_rank(sid) * devices
+        for worker in range(devices):
             slots.setdefault(first + worker, []).append((sid, worker))
     return slots
 
@@ -85,7 +86,7 @@ def sync_per_device(manager: Any, stream: Iterable[tuple], version: int, bucket_
     registered = [manager._call(manager.balancer.record_weights.remote(version, None)) if rank == 0 else None]
     dist.broadcast_object_list(registered, src=0)  # every rank acts on rank 0's one view of the pool
     handles: dict[str, Any] = registered[0]  # type: ignore[assignment]
-    routes = workers_on_slots(handles, manager.spec.footprint)
+    routes = workers_on_slots(handles, manager.replica_devices)
     if any(slot >= world for slot in routes):  # every rank sees the same routes: all raise, none waits
         raise ValueError(f"weight_sync.transport=ipc: replicas on slots {sorted(routes)} but trainer ranks on slots "
                          f"0..{world - 1} only; every engine worker needs a trainer rank on its device")
@@ -96,7 +97,7 @@ def sync_per_device(manager: Any, stream: Iterable[tuple], version: int, bucket_
     dist.all_gather_object(specs, sender.prepare() if sender is not None else None)
     refs = {}
     if rank == 0:
-        footprint = manager.spec.footprint.devices
+        footprint = manager.replica_devices
         for sid, handle in handles.items():
             first = server_rank(sid) * footprint
             per_worker = [(specs[first + w], 1 + routes[first + w].index((sid, w))) for w in range(footprint)]

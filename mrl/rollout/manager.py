@@ -33,6 +33,7 @@ from mrl.rollout.client import (
     wait_within,
 )
 from mrl.rollout.load_balancer import LoadBalancer
+from mrl.rollout.pd import PDSpec
 from mrl.rollout.replica import ReplicaSpec, RolloutMode, RolloutReplica
 from mrl.rollout.server import restore_niceness
 from mrl.weight_sync import WeightSender, make_sender
@@ -54,9 +55,10 @@ class _BalancerActor(LoadBalancer):
 class LLMServerManager:
     def __init__(
         self, spec: ReplicaSpec, mode: RolloutMode | str, start_timeout_s: float = 900.0,
-        policy: FaultPolicy | None = None,
+        policy: FaultPolicy | None = None, pd: PDSpec | None = None, pd_base_port: int = 5600,
     ) -> None:
         self.spec = spec
+        self.pd, self.pd_base_port = pd, pd_base_port  # prefill/decode replicas (mrl/rollout/pd_members.py)
         self.start_timeout_s = start_timeout_s
         self.mode = RolloutMode(mode)
         self.policy = policy or FaultPolicy()
@@ -96,13 +98,15 @@ class LLMServerManager:
         pool: Any = None,
         start_timeout_s: float = 900.0,
         policy: FaultPolicy | None = None,
+        pd: PDSpec | None = None,
+        pd_base_port: int = 5600,
     ) -> LLMServerManager:
         """Start every replica in parallel, register them with the balancer and start the health monitor.
 
         hybrid / colocated: `pool` is the RayResourcePool to place on (the trainer's for hybrid) and the replica
         count follows from its size. standalone: `num_devices` slots, each replica in its own new pool.
         """
-        manager = cls(spec, mode, start_timeout_s, policy)
+        manager = cls(spec, mode, start_timeout_s, policy, pd, pd_base_port)
         if manager.mode is RolloutMode.STANDALONE:
             if num_devices is None:
                 raise ValueError("a standalone rollout pool needs num_devices (rollout.nnodes × n_gpus_per_node)")
@@ -110,10 +114,22 @@ class LLMServerManager:
             raise ValueError(f"a {manager.mode.value} rollout needs the resource pool to place its replicas on")
         else:
             num_devices = pool.world_size if num_devices is None else num_devices
-        count = replica_count(num_devices, spec.footprint.devices)
+        count = replica_count(num_devices, manager.replica_devices)
         manager.add_replicas(count, pool=pool)
         manager.start_monitor()
         return manager
+
+    @property
+    def replica_devices(self) -> int:
+        """Device slots of one replica: its footprint, or a PD replica's members' slots."""
+        return self.pd.devices if self.pd is not None else self.spec.footprint.devices
+
+    def _new_replica(self, rank: int) -> Any:
+        if self.pd is None:
+            return RolloutReplica(rank, self.spec, self.mode)
+        from mrl.rollout.pd_members import PDReplica
+
+        return PDReplica(rank, self.spec, self.pd, base_port=self.pd_base_port + 16 * rank)
 
     def _launch(self, replica: RolloutReplica, pool: Any) -> ray.ObjectRef:
         if self.mode is RolloutMode.STANDALONE:
@@ -142,7 +158,7 @@ class LLMServerManager:
 
     def add_replicas(self, count: int, pool: Any = None) -> list[int]:
         """Start `count` more replicas (in parallel) and put them behind the balancer; returns their ranks."""
-        new = [RolloutReplica(self._next_rank + i, self.spec, self.mode) for i in range(count)]
+        new = [self._new_replica(self._next_rank + i) for i in range(count)]
         self._next_rank += count
         self._start(new, pool)
         with self._lock:
@@ -229,7 +245,7 @@ class LLMServerManager:
                 log.error("rollout replica %d dropped: rollout.max_replica_restarts=%d reached", rank,
                           self.policy.max_replica_restarts)
                 return
-        new, started = RolloutReplica(rank, self.spec, self.mode), False
+        new, started = self._new_replica(rank), False
         try:
             self._start([new], self._pools.get(rank))
             started = True
@@ -333,7 +349,7 @@ class LLMServerManager:
         if fp.dp > 1:
             raise ValueError(f"weight_sync.transport={transport} with rollout.data_parallel_size={fp.dp}: the "
                              "transports reach TP×PP workers of one engine; use more replicas instead of DP")
-        per = fp.tp * fp.pp  # receivers per replica: every worker loads the full stream
+        per = self.replica_devices  # receivers per replica (a PD replica's members in slot order): the full stream
         handles = self._call(self.balancer.record_weights.remote(version, None))
         serves = (transport, tuple(handles), per, bucket_bytes, timeout_s, tuple(sorted(sender_kwargs.items())))
         sender = self._sync_sender(serves, lambda: make_sender(

@@ -163,7 +163,8 @@ class PDRouter:
     `ActorMember`). `bootstrap` is SGLang's (host, port) of the prefill server.
     """
 
-    def __init__(self, backend: str, prefill: Any, decodes: list[Any], bootstrap: tuple[str, int] | None = None):
+    def __init__(self, backend: str, prefill: Any, decodes: list[Any], bootstrap: tuple[str, int] | None = None,
+                 member_devices: list[int] | None = None):
         if backend not in PD_BACKENDS:
             raise ValueError(f"no PD routing for backend {backend!r}; known: {list(PD_BACKENDS)}")
         if not decodes:
@@ -177,6 +178,8 @@ class PDRouter:
         self.balancer = LoadBalancer(dict(self.decodes))
         self.routes: dict[str, int] = {name: 0 for name in self.decodes}  # requests served per decode member
         self.paused = False  # admission closed by the caller's abort_all until resume_generation
+        # Engine workers per member (prefill first): how a weight-sync group's ranks divide among the members.
+        self.member_devices = member_devices or [1] * (1 + len(decodes))
 
     async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any]) -> TokenOutput:
         name, decode = self.balancer.acquire(request_id)
@@ -241,6 +244,23 @@ class PDRouter:
         await self._all("abort_all")
         try:
             return await self._all("update_weights", buckets, version)
+        finally:
+            if not self.paused:
+                await self._all("resume_generation")
+
+    async def receive_weights(self, spec: dict[str, Any] | list, rank: int, version: int) -> dict[str, int]:
+        """Every member joins a weight-sync transport (mrl/weight_sync) with its own workers: the group ranks
+        `rank`… (or the per-device list of one (spec, rank) per worker) in member order, prefill first. Admission
+        closes on all members until all have loaded, as in `update_weights`."""
+        parts, start = [], 0
+        for devices in self.member_devices:
+            parts.append((spec[start:start + devices], 0) if isinstance(spec, list) else (spec, rank + start))
+            start += devices
+        await self._all("abort_all")
+        try:
+            names = list(self.members())
+            loads = [m.receive_weights(s, r, version) for m, (s, r) in zip(self.members().values(), parts)]
+            return dict(zip(names, await asyncio.gather(*loads)))
         finally:
             if not self.paused:
                 await self._all("resume_generation")

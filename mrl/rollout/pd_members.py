@@ -165,7 +165,7 @@ class PDReplica:
         bootstrap = ("127.0.0.1", self.base_port) if self.spec.backend == "sglang" else None
         self.server = ray.remote(_PDRouterActor).options(num_cpus=0, max_concurrency=4096).remote(
             self.spec.backend, self.members["prefill"], [a for r, a in self.members.items() if r != "prefill"],
-            bootstrap)
+            bootstrap, [devices for *_, devices in self.pd.member_slots()])
         return self.server.wait_started.remote(starts)
 
     # ---- control (each returns an ObjectRef) ---------------------------------------------------------
@@ -198,9 +198,10 @@ class PDReplica:
 class _PDRouterActor(PDRouter):
     """PDRouter over member server actors (the router's process only routes; it holds no engine)."""
 
-    def __init__(self, backend: str, prefill: Any, decodes: list[Any], bootstrap: tuple[str, int] | None) -> None:
+    def __init__(self, backend: str, prefill: Any, decodes: list[Any], bootstrap: tuple[str, int] | None,
+                 member_devices: list[int] | None = None) -> None:
         restore_niceness()  # every request passes through the router: it must not run deprioritised
-        super().__init__(backend, ActorMember(prefill), [ActorMember(d) for d in decodes], bootstrap)
+        super().__init__(backend, ActorMember(prefill), [ActorMember(d) for d in decodes], bootstrap, member_devices)
 
     async def wait_started(self, starts: list[ray.ObjectRef]) -> list[float]:
         return list(await asyncio.gather(*starts))

@@ -18,6 +18,7 @@ from mrl.reward.evaluator import RewardEvaluator
 from mrl.rollout.agent_loop import AgentLoopManager
 from mrl.rollout.agent_loop.tools import load_tools
 from mrl.rollout.manager import LLMServerManager
+from mrl.rollout.pd import PDSpec
 from mrl.rollout.replica import Footprint, ReplicaSpec
 from mrl.trainer.metrics import RunLogger
 from mrl.trainer.modes import trainer_class
@@ -127,8 +128,12 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
     placement = rollout_placement(c)  # checked at start-up by the same function (mrl/config/placement.py)
     progress(f"started {actor_rollout.world_size} training worker(s); starting {placement.replicas} {c.rollout.name} "
              f"replica(s) of {placement.footprint} device(s) while Megatron builds and loads the weights")
+    pd = c.rollout.pd
+    pd_spec = PDSpec(pd.prefill_tp, pd.decode_tp, pd.n_decode, transfer_backend=pd.transfer_backend) \
+        if pd.enabled else None
     rollout = LLMServerManager.create(spec, c.rollout.mode, pool=pool if hybrid else None,
-                                      num_devices=placement.devices, policy=policy)
+                                      num_devices=placement.devices, policy=policy, pd=pd_spec,
+                                      pd_base_port=pd.base_port)
     progress(f"rollout replicas serving ({c.rollout.name})")
     for ready in engines_ready:
         ready.get()

@@ -246,7 +246,8 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
             from mrl.rollout.device_sync import sync_per_device, tp_slices_pair
 
             trainer_tp = self.config.actor.megatron.tensor_model_parallel_size
-            slices = ws.tp_slices and tp_slices_pair(self.rollout.spec.footprint, trainer_tp)
+            slices = ws.tp_slices and self.rollout.pd is None and tp_slices_pair(self.rollout.spec.footprint,
+                                                                                 trainer_tp)
             return sync_per_device(self.rollout, self.actor.engine.export_weights(tp_slices=slices), global_steps,
                                    ws.bucket_size_mb << 20, ws.timeout_s, **ws.sender_kwargs())
         stream = self.actor.engine.export_weights()

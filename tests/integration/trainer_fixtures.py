@@ -86,10 +86,12 @@ class KeepsStepTensors:
 
 def trainer_gap(trainer: Any, key: str, prompt_ids: list[int], out: Any) -> dict[str, float]:
     """The rollout-vs-trainer log-prob mismatch metrics of one generated sequence (`out`: a TokenOutput), the
-    trainer's log-probs recomputed by its workers through the sample store."""
-    batch = put_sequences(trainer.store, [key], [{"prompt_ids": prompt_ids, "response_ids": out.token_ids,
-                                                  "rollout_log_probs": out.log_probs}])
+    trainer's log-probs recomputed by its workers through the sample store (two copies: one per DP rank at DP 2,
+    whose dispatch cannot pad per-rank metrics)."""
+    keys = [f"{key}/{i}" for i in range(2)]
+    sequence = {"prompt_ids": prompt_ids, "response_ids": out.token_ids, "rollout_log_probs": out.log_probs}
+    batch = put_sequences(trainer.store, keys, [sequence, sequence])
     try:
         return batching.mismatch_over_ranks(trainer.parts.actor_rollout.compute_log_prob(batch))
     finally:
-        trainer.store.delete([key])
+        trainer.store.delete(keys)

@@ -16,11 +16,11 @@ from mrl.workers.cpu_threads import cores_per_rank
 def test_replica_workers_sit_on_consecutive_slots_by_replica_rank():
     ids = ["hybrid-1-abcdef", "hybrid-0-123456"]
     assert [server_rank(i) for i in ids] == [1, 0]
-    assert workers_on_slots(ids, Footprint(tp=2)) == {
+    assert workers_on_slots(ids, 2) == {
         2: [("hybrid-1-abcdef", 0)], 3: [("hybrid-1-abcdef", 1)],
         0: [("hybrid-0-123456", 0)], 1: [("hybrid-0-123456", 1)],
     }
-    assert workers_on_slots(ids, Footprint()) == {1: [("hybrid-1-abcdef", 0)], 0: [("hybrid-0-123456", 0)]}
+    assert workers_on_slots(ids, 1) == {1: [("hybrid-1-abcdef", 0)], 0: [("hybrid-0-123456", 0)]}
 
 
 def test_slices_pair_only_when_engine_tp_equals_trainer_tp_without_engine_pp_or_dp():

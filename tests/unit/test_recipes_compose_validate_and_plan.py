@@ -40,3 +40,17 @@ def test_moe_recipes_shard_experts():
             assert cfg.actor.megatron.expert_model_parallel_size > 1, recipe
         if cfg.resources.nnodes > 2:  # the multi-node ones pipeline too
             assert cfg.actor.megatron.pipeline_model_parallel_size > 1, recipe
+
+
+TINY_RECIPES = sorted(f"tiny/{p.stem}" for p in (RECIPES_DIR / "tiny").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", TINY_RECIPES)
+def test_tiny_recipe_passes_the_start_up_rules_and_places_its_replicas(recipe):
+    from mrl.config.placement import rollout_placement
+
+    cfg = load_config(recipe, check_paths=False)  # the rules the trainer's build relies on, paths aside
+    placement = rollout_placement(cfg)
+    assert placement.problem() is None and placement.replicas >= 1
+    if cfg.rollout.pd.enabled:
+        assert placement.footprint == cfg.rollout.pd.prefill_tp + cfg.rollout.pd.decode_tp * cfg.rollout.pd.n_decode
