@@ -576,5 +576,38 @@ def _rollout_correction(cfg: DictConfig, _: bool) -> Iterator[Violation]:
                         "the correction off")
 
 
+ROUTER_REPLAY = ("none", "rollout", "old_log_prob")
+# Backends whose adapters return each request's routed experts (TokenOutput.extra["routed_experts"]).
+ROUTING_BACKENDS = ("hf",)
+
+
+@rule
+def _router_replay(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
+    """Router replay needs an MoE model, no full recompute (Megatron re-runs the router in the backward pass,
+    after the replay target is gone) and, for R3, a backend that returns routed experts and π_old recomputed."""
+    setting = "actor.megatron.router_replay"
+    mode = _get(cfg, setting)
+    for role in ("ref", "critic"):
+        if _get(cfg, f"{role}.megatron.router_replay") != "none":
+            yield Violation(f"{role}.megatron.router_replay", _get(cfg, f"{role}.megatron.router_replay"),
+                            "only actor.megatron.router_replay is read (the reference replays as the actor does)")
+    yield from _one_of(cfg, setting, ROUTER_REPLAY)
+    if mode in (None, "none") or mode not in ROUTER_REPLAY:
+        return
+    hf = hf_config(cfg, check_paths)
+    if hf is not None and not _num_experts(hf):
+        yield Violation(setting, mode, "the model is dense: router replay needs an MoE model (routed experts)")
+    if _get(cfg, "actor.megatron.recompute_granularity") == "full":
+        yield Violation(setting, mode, "full activation recompute re-runs the router in the backward pass, where "
+                                       "Megatron's replay target is gone: use recompute_granularity null or "
+                                       "'selective'")
+    if mode == "rollout" and _get(cfg, "rollout.name") not in ROUTING_BACKENDS:
+        yield Violation(setting, mode, f"R3 replays the engine's routing; rollout.name={_get(cfg, 'rollout.name')} "
+                                       f"does not return it (backends that do: {', '.join(ROUTING_BACKENDS)})")
+    if mode == "old_log_prob" and not _get(cfg, "rollout.recompute_old_log_prob"):
+        yield Violation(setting, mode, "R2 records the routing in the old-log-prob pass, which "
+                                       "rollout.recompute_old_log_prob=false skips")
+
+
 # Rules on single fields, keys and what lies beside the config register themselves on import.
 from mrl.config import field_rules  # noqa: E402, F401
