@@ -10,6 +10,7 @@ the protocol needs. Sleep levels are tracked (and the wake-up order enforced) bu
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -164,13 +165,35 @@ class HFAdapter(RolloutAdapter):
 
     @torch.no_grad()
     def _load_named(self, named: list[tuple[str, torch.Tensor]]) -> int:
-        result = self.model.load_state_dict(dict(named), strict=False, assign=False)
+        rest = [(n, t) for n, t in named if not _load_expert(self.model, n, t)]
+        result = self.model.load_state_dict(dict(rest), strict=False, assign=False)
         if result.unexpected_keys:
             raise KeyError(f"weights not in the model: {sorted(result.unexpected_keys)[:8]}")
         return len(named)
 
     async def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+_EXPERT = re.compile(r"(?P<experts>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight")
+
+
+def _load_expert(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    """Copy one per-expert tensor (the safetensors/export name) into transformers 5's fused in-memory experts
+    (`gate_up_proj` [E, 2I, H] = gate rows then up rows, `down_proj` [E, H, I]); False if `name` is no such tensor
+    or the model keeps that expert unfused."""
+    match = _EXPERT.fullmatch(name)
+    if match is None:
+        return False
+    experts, e, proj = match["experts"], int(match["e"]), match["proj"]
+    try:
+        fused = model.get_parameter(f"{experts}.{'down_proj' if proj == 'down' else 'gate_up_proj'}")
+    except AttributeError:
+        return False
+    rows = tensor.shape[0]
+    target = fused[e] if proj == "down" else fused[e, :rows] if proj == "gate" else fused[e, rows:]
+    target.copy_(tensor)
+    return True
 
 
 def _routers(model: torch.nn.Module) -> list[torch.nn.Module]:
