@@ -51,9 +51,12 @@ def rollouts(path: str, n: int = 6, max_tokens: int = 10, dtype: str = "bfloat16
 
 def replay_passes(rank: int, world: int, path: str, data: list[dict[str, torch.Tensor]], layout: dict
                   ) -> dict[str, torch.Tensor]:
-    """In a Megatron process: `infer` of every sample without the engine's routing (the trainer routes) and with
-    it (R3), each with the routing the forward used and the routers' own top-k. Every rank returns them."""
-    from mrl.config.schema import MegatronConfig
+    """In a Megatron process: `infer` of every sample without the engine's routing (the trainer routes: `free`),
+    with it (R3: `r3`) and with the free pass's own routing (R2: `r2`), each with the routing the forward used and
+    the routers' own top-k; then one update step replaying the engine's routing, whose loss is −mean log-prob of
+    the response tokens (`update_loss`). Every rank returns them."""
+    from mrl.algo.aggregation import agg_loss
+    from mrl.config.schema import MegatronConfig, OptimConfig
     from mrl.engine.megatron.engine import MegatronEngine
     from mrl.engine.megatron.packing import JaggedBatch
     from mrl.engine.megatron.parallel import teardown
@@ -61,13 +64,25 @@ def replay_passes(rank: int, world: int, path: str, data: list[dict[str, torch.T
     cfg = MegatronConfig(**layout, router_replay="rollout",
                          override_transformer_config={"moe_aux_loss_coeff": 0.0,
                                                       "moe_router_load_balancing_type": "none"})
-    engine = MegatronEngine(path, cfg, None, micro_batch_size=2)
+    engine = MegatronEngine(path, cfg, OptimConfig(lr=0.0), micro_batch_size=2)
     engine.initialize()
     out = {}
     for name, keys in (("free", ["input_ids"]), ("r3", ["input_ids", "routed_experts"])):
         batch = JaggedBatch.from_sequences([{k: s[k] for k in keys} for s in data])
-        result = engine.infer(batch, routing=True)
-        out.update({f"{name}/{k}": v for k, v in result.items()})
+        out.update({f"{name}/{k}": v for k, v in engine.infer(batch, routing=True).items()})
+    offsets = JaggedBatch.from_sequences([{"input_ids": s["input_ids"]} for s in data]).offsets
+    recorded = [out["free/routed_experts"][a:b] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+    batch = JaggedBatch.from_sequences([{"input_ids": s["input_ids"], "routed_experts": r}
+                                        for s, r in zip(data, recorded)])
+    out.update({f"r2/{k}": v for k, v in engine.infer(batch, routing=True).items()})
+
+    def loss_fn(outputs, mb, normalizer):
+        return agg_loss(-outputs["log_probs"], mb["response_mask"], "token-mean", normalizer), {}
+
+    mesh = engine.mesh()
+    mine = [{k: s[k] for k in ("input_ids", "routed_experts", "response_mask")} for s in data]
+    out["update_loss"] = torch.tensor(engine.forward_backward(
+        JaggedBatch.from_sequences(mine[mesh.dp_rank :: mesh.dp_size]), loss_fn)["loss"])
     teardown()
     return out
 

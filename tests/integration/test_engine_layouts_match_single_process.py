@@ -11,13 +11,16 @@ after training (1e-5).
 Also here, because they share the launches: `infer` equals log_softmax of the HF model's logits at the next
 tokens; packing several samples into one micro-batch gives the same gradients and log-probs as one sample
 per micro-batch, at TP=1 and TP=2; and TP=2 with `compile_fusions` (compiled SwiGLU, residual add, RMSNorm and
-log-prob kernels, on CPU too) matches the eager single-process run.
+log-prob kernels, on CPU too) matches the eager single-process run. And router replay (R3) under TP=2×EP=2 with
+ETP=1: every rank routes every token to the rollout engine's experts, with the single-process log-probs and
+update loss (routing_fixtures.py).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from routing_fixtures import make_near_tie_moe, replay_passes, rollouts
 
 from mrl.utils.distributed import launch
 
@@ -116,6 +119,8 @@ def run_many(rank: int, world: int, cases: list[tuple[str, str, dict, dict, dict
         for name, path, layout, micro, overrides in cases:
             if name.startswith("packing"):
                 results[name] = grads_of_packing(path, layout)
+            elif name.startswith("replay"):  # replay cases carry the rollouts in the micro-batch slot
+                results[name] = replay_passes(rank, world, path, micro, layout)
             else:
                 results[name] = run_layout(path, layout, micro, overrides)
     finally:
@@ -139,7 +144,8 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine_models")
     dense = make_tiny_hf_model("qwen3", root / "dense", tokenizer=False, vocab_size=VOCAB, num_hidden_layers=4)
     moe = make_tiny_hf_model("qwen3_moe", root / "moe", tokenizer=False, vocab_size=VOCAB)
-    return {"dense": str(dense), "moe": str(moe)}
+    near_tie = make_near_tie_moe(root / "near_tie")
+    return {"dense": str(dense), "moe": str(moe), "near_tie": near_tie, "rollouts": rollouts(near_tie)}
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +154,7 @@ def reference(models):
         ("dense", models["dense"], {}, {"micro_batch_size": 3}, {}),
         ("moe", models["moe"], {}, {"micro_batch_size": 3}, MOE_OVERRIDES),
         ("packing_tp1", models["dense"], {}, {}, {}),
+        ("replay", models["near_tie"], {}, models["rollouts"], {}),
     ]
     return launch(run_many, 1, cases, timeout_s=600)[0]
 
@@ -261,6 +268,24 @@ def test_world4_layouts_match_single_process(models, reference):
             DYNAMIC,
             MOE_OVERRIDES,
         ),
+        ("replay_tp2_ep2_etp1", models["near_tie"], {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2,
+                                                     "expert_tensor_parallel_size": 1, "sequence_parallel": True},
+         models["rollouts"], {}),
     ]
     results = launch(run_many, 4, cases, timeout_s=900)
-    check_all(results, reference, [c[0] for c in cases])
+    check_all(results, reference, [c[0] for c in cases[:2]])
+    assert_replay_matches(results, reference["replay"], models["rollouts"], "replay_tp2_ep2_etp1")
+
+
+def assert_replay_matches(results: list[dict], ref: dict, data: list[dict], name: str) -> None:
+    """R3 on every rank: the routers used the engine's experts for every routed token, and log-probs and update
+    loss equal the single-process replay (the trainer's own top-k may differ there: near ties, other sums)."""
+    from mrl.engine.megatron.routing import same_experts
+
+    engine = torch.cat([s["routed_experts"] for s in data])
+    routed = (engine >= 0).all(dim=-1)
+    for rank, result in enumerate(results):
+        got = result[name]
+        assert bool(same_experts(got["r3/routed_experts"], engine)[routed].all()), rank
+        torch.testing.assert_close(got["r3/log_probs"], ref["r3/log_probs"], atol=1e-5, rtol=1e-5)
+        assert abs(float(got["update_loss"]) - float(ref["update_loss"])) < 1e-5, rank

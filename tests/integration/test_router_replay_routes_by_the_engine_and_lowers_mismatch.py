@@ -45,3 +45,18 @@ def test_r3_lowers_the_step0_logprob_mismatch(replayed):
     without, with_r3 = mismatch(out["free/log_probs"], data), mismatch(out["r3/log_probs"], data)
     print(f"logprob_mismatch without R3 {without:.6f}, with R3 {with_r3:.6f}")
     assert with_r3 < without
+
+
+def test_r2_replaying_the_trainers_own_routing_changes_nothing(replayed):
+    _, out = replayed
+    assert torch.equal(out["r2/log_probs"], out["free/log_probs"])
+    assert torch.equal(out["r2/routed_experts"], out["free/routed_experts"])
+
+
+def test_the_update_pass_replays_the_engine_routing(replayed):
+    data, out = replayed
+    mask = torch.cat([s["response_mask"] for s in data]).bool()
+    want = -float(out["r3/log_probs"][mask].mean())
+    assert abs(float(out["update_loss"]) - want) < 1e-5, (float(out["update_loss"]), want)
+    free = -float(out["free/log_probs"][mask].mean())
+    assert abs(free - want) > 1e-3  # the routing really changes the loss
