@@ -11,7 +11,8 @@ after training (1e-5).
 Also here, because they share the launches: `infer` equals log_softmax of the HF model's logits at the next
 tokens; packing several samples into one micro-batch gives the same gradients and log-probs as one sample
 per micro-batch, at TP=1 and TP=2; and TP=2 with `compile_fusions` (compiled SwiGLU, residual add, RMSNorm and
-log-prob kernels, on CPU too) matches the eager single-process run. And router replay (R3) under TP=2×EP=2 with
+log-prob kernels, on CPU too) matches the eager single-process run. MoE layouts include expert-TP apart from TP
+(TP=2×EP=2 with ETP=1, trained) and the auxiliary losses on (TP=2 with SP). And router replay (R3) under TP=2×EP=2 with
 ETP=1: every rank routes every token to the rollout engine's experts, with the single-process log-probs and
 update loss (routing_fixtures.py).
 """
@@ -279,12 +280,20 @@ def test_world4_layouts_match_single_process(models, reference):
             DYNAMIC,
             MOE_OVERRIDES,
         ),
+        (
+            "tp2_ep2_etp1",  # expert-TP apart from TP, trained: 3 optimizer steps against the single process
+            m,
+            {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1,
+             "sequence_parallel": True},
+            DYNAMIC,
+            MOE_OVERRIDES,
+        ),
         ("replay_tp2_ep2_etp1", models["near_tie"], {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2,
                                                      "expert_tensor_parallel_size": 1, "sequence_parallel": True},
          models["rollouts"], {}),
     ]
     results = launch(run_many, 4, cases, timeout_s=900)
-    check_all(results, reference, [c[0] for c in cases[:2]])
+    check_all(results, reference, [c[0] for c in cases[:3]])
     assert_replay_matches(results, reference["replay"], models["rollouts"], "replay_tp2_ep2_etp1")
 
 
