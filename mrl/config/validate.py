@@ -429,9 +429,11 @@ def layout_shape_problems(hf: dict[str, Any], tp: int, pp: int, vpp: int | None,
     heads = int(hf.get("num_attention_heads", 1))
     kv_heads = int(hf.get("num_key_value_heads") or heads)
     layers, experts, vocab = int(hf.get("num_hidden_layers", 1)), _num_experts(hf), hf.get("vocab_size")
-    if tp >= 1 and (heads % tp or kv_heads % tp):
+    # Fewer key-value heads than TP ranks: megatron-core 0.19 all-gathers the QKV projection and each rank takes
+    # its group, so TP must be a multiple of the KV heads (bridges/mapping.py FusedQKV).
+    if tp >= 1 and (heads % tp or (kv_heads % tp and tp % kv_heads)):
         yield "tensor_model_parallel_size", (f"must divide the model's attention heads ({heads}) and key-value "
-                                             f"heads ({kv_heads})")
+                                             f"heads ({kv_heads}), or be a multiple of the key-value heads")
     elif tp > 1 and vocab and vocab % tp:
         yield "tensor_model_parallel_size", f"must divide the model's vocabulary ({vocab} tokens)"
     split = pipeline_split_problem(layers, pp, vpp, overrides or {})

@@ -12,7 +12,8 @@ Also here, because they share the launches: `infer` equals log_softmax of the HF
 tokens; packing several samples into one micro-batch gives the same gradients and log-probs as one sample
 per micro-batch, at TP=1 and TP=2; and TP=2 with `compile_fusions` (compiled SwiGLU, residual add, RMSNorm and
 log-prob kernels, on CPU too) matches the eager single-process run. MoE layouts include expert-TP apart from TP
-(TP=2×EP=2 with ETP=1, trained) and the auxiliary losses on (TP=2 with SP). And router replay (R3) under TP=2×EP=2 with
+(TP=2×EP=2 with ETP=1, trained) and the auxiliary losses on (TP=2 with SP); a model with one key-value head trains at
+TP=2 (fewer KV heads than TP). And router replay (R3) under TP=2×EP=2 with
 ETP=1: every rank routes every token to the rollout engine's experts, with the single-process log-probs and
 update loss (routing_fixtures.py).
 """
@@ -148,7 +149,10 @@ def models(tmp_path_factory):
     dense = make_tiny_hf_model("qwen3", root / "dense", tokenizer=False, vocab_size=VOCAB, num_hidden_layers=4)
     moe = make_tiny_hf_model("qwen3_moe", root / "moe", tokenizer=False, vocab_size=VOCAB)
     near_tie = make_near_tie_moe(root / "near_tie")
-    return {"dense": str(dense), "moe": str(moe), "near_tie": near_tie, "rollouts": rollouts(near_tie)}
+    # One key-value head under TP=2: megatron-core all-gathers the QKV projection (fewer KV heads than TP).
+    kv1 = make_tiny_hf_model("qwen3", root / "kv1", tokenizer=False, vocab_size=VOCAB, num_key_value_heads=1)
+    return {"dense": str(dense), "moe": str(moe), "near_tie": near_tie, "rollouts": rollouts(near_tie),
+            "kv1": str(kv1)}
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +163,7 @@ def reference(models):
         ("moe_aux", models["moe"], {}, {"micro_batch_size": 3}, MOE_AUX),
         ("packing_tp1", models["dense"], {}, {}, {}),
         ("replay", models["near_tie"], {}, models["rollouts"], {}),
+        ("dense_kv1", models["kv1"], {}, {"micro_batch_size": 3}, {}),
     ]
     return launch(run_many, 1, cases, timeout_s=600)[0]
 
@@ -237,6 +242,7 @@ def test_world2_layouts_match_single_process(models, reference):
         ("pp2_vpp2", d, {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}, DYNAMIC, {}),
         ("dp2_distopt", d, {"use_distributed_optimizer": True}, {"micro_batch_size": 1}, {}),
         ("ep2", m, {"expert_model_parallel_size": 2}, DYNAMIC, MOE_OVERRIDES),
+        ("tp2_kv1", models["kv1"], {"tensor_model_parallel_size": 2}, DYNAMIC, {}),
         # The auxiliary losses balance the tokens of each micro-batch, so only a layout that keeps the reference's
         # micro-batches (TP, no DP split) can match it: under EP=2 (DP=2) the grad norm differed by 0.3 %.
         ("tp2_sp_aux", m, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, {"micro_batch_size": 3},
@@ -261,7 +267,8 @@ def check_all(results: list[dict], reference: dict, names: list[str]) -> None:
                 if name.startswith("packing"):
                     assert_packing_matches(result[name], f"{name} rank {rank}")
                 else:
-                    ref = "moe_aux" if "aux" in name else "moe" if "ep" in name else "dense"
+                    ref = ("moe_aux" if "aux" in name else "moe" if "ep" in name else "dense_kv1" if "kv1" in name
+                           else "dense")
                     assert_matches(result[name], reference[ref], f"{name} rank {rank}")
             except AssertionError as e:
                 failures.append(str(e))
