@@ -144,9 +144,12 @@ def build_plan(bridge: Bridge, chunks: Sequence[torch.nn.Module], dtype: torch.d
 def sliceable(bridge: Bridge, unit: Unit, plan: Plan) -> bool:
     """Whether `tp_slices` sends this unit as TP slices: a dense tensor split over TP by one of the primitives
     whose HF outputs split the same way (plain column/row, fused QKV, gate-up), not vocabulary-parallel, not an
-    expert (engines' fused-MoE loaders are not checked against expert slices)."""
+    expert (engines' fused-MoE loaders are not checked against expert slices), not a QKV split below one KV head
+    per rank."""
     mapping = bridge.table[unit.mapping_index]
     expert = unit.is_expert or ".experts." in unit.name
+    if isinstance(mapping, FusedQKV) and plan.shape.num_query_groups % plan.tp_size:
+        return False  # fewer KV heads than TP: Megatron's blocks are not the engine's per-rank heads
     return (plan.tp_size > 1 and not expert and mapping.tp_dim is not None
             and type(mapping) in (Mapping, FusedQKV, GatedMLP) and unit.name not in VOCAB_PARALLEL)
 

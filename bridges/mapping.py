@@ -172,12 +172,17 @@ class FusedQKV(Mapping):
     Megatron orders rows by query group: for each group g, its heads_per_group query heads, then its key head,
     then its value head (each head_dim rows). TP splits whole groups, so rank r reads the contiguous query heads
     and KV heads of its groups and interleaves them locally; the concatenation of shards is the full tensor.
+    With fewer groups than TP ranks, megatron-core (0.19 `get_query_key_value_tensors`) splits the full
+    interleaved tensor into TP equal row blocks and all-gathers it in every forward: rank r holds block r.
     """
 
     tp_dim: int | None = 0
 
     def load(self, read: list[LazyTensor], shard: Shard, shape: ModelShape) -> torch.Tensor:
         q, k, v = read
+        if shape.num_query_groups < shard.size:
+            whole = self.load(read, Shard(0, 1), shape)
+            return whole[shard.span(whole.shape[0], self.megatron)]
         groups = shard.span(shape.num_query_groups, self.megatron)
         heads = shard.span(shape.num_heads, self.megatron)
         d = shape.head_dim

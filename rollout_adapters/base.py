@@ -161,14 +161,15 @@ class RolloutAdapter(ABC):
         done = asyncio.get_running_loop().create_future()
         self._running[rid] = done
         try:
-            ids, lps, reason = await self._generate(rid, list(prompt_ids), params, budget)
+            # A backend may add a fourth item: what TokenOutput.extra carries (e.g. `routed_experts`).
+            ids, lps, reason, *extra = await self._generate(rid, list(prompt_ids), params, budget)
         finally:
             self._running.pop(rid, None)
             done.set_result(None)
         # Updates abort (and drain) running requests before loading, so an aborted request's tokens belong to the
         # version it started under, and one that finished ran entirely on the current weights.
         version = started_version if reason == "aborted" else self.version
-        return TokenOutput(ids, lps if params["logprobs"] else None, reason, version)
+        return TokenOutput(ids, lps if params["logprobs"] else None, reason, version, *extra)
 
     async def abort_all(self) -> int:
         """Abort in-flight requests and hold new ones until `resume_generation`; returns how many were running."""

@@ -1,7 +1,9 @@
 """DeepSeek-V3 (DeepseekV3ForCausalLM): multi-latent attention, first-k dense layers, then MoE layers with
 shared experts and a sigmoid router with expert-bias (aux-loss-free) and group-limited top-k.
 
-Multi-token-prediction layers (HF `model.layers.{num_hidden_layers + i}`) are not built and not imported.
+Multi-token-prediction layers (HF `model.layers.{num_hidden_layers + i}`) are not built and not imported: RL
+trains and samples the main model only; the start-up warning says how many were dropped. RoPE: plain or YaRN (the
+published config's), mapped onto Megatron's MLA YaRN.
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ class DeepseekV3Bridge(LlamaBridge):
         if not c.norm_topk_prob:
             raise NotImplementedError("DeepSeek-V3 with norm_topk_prob=False: Megatron always normalises sigmoid top-k")
         rope = rope_parameters(c)
-        if rope["rope_type"] != "default":
-            raise NotImplementedError(f"DeepSeek-V3 RoPE type {rope['rope_type']!r} (YaRN mapping not verified)")
+        if rope["rope_type"] not in ("default", "yarn"):
+            raise NotImplementedError(f"DeepSeek-V3 RoPE type {rope['rope_type']!r}: default and yarn are mapped")
+        if not rope.get("truncate", True):
+            raise NotImplementedError("DeepSeek-V3 YaRN with truncate=False: Megatron rounds the correction range")
         fields = super().config_fields()
         fields.pop("kv_channels")
         fields.pop("num_query_groups")
@@ -48,9 +52,7 @@ class DeepseekV3Bridge(LlamaBridge):
             "qk_head_dim": c.qk_nope_head_dim,
             "qk_pos_emb_head_dim": c.qk_rope_head_dim,
             "v_head_dim": c.v_head_dim,
-            "rope_type": "rope",
-            "rotary_base": rope["rope_theta"],
-            "rotary_scaling_factor": 1.0,
+            **_rope_fields(rope),
             "num_moe_experts": c.n_routed_experts,
             "moe_router_topk": c.num_experts_per_tok,
             "moe_ffn_hidden_size": c.moe_intermediate_size,
@@ -65,6 +67,12 @@ class DeepseekV3Bridge(LlamaBridge):
             "moe_router_load_balancing_type": "none",
             "moe_aux_loss_coeff": 0.0,
         }
+
+    def model_kwargs(self) -> dict[str, Any]:
+        # MLA layers build their own RoPE (plain or YaRN) from the TransformerConfig; GPTModel builds none for MLA.
+        c = self.hf_config
+        return dict(vocab_size=c.vocab_size, max_sequence_length=c.max_position_embeddings,
+                    share_embeddings_and_output_weights=bool(c.tie_word_embeddings), position_embedding_type="rope")
 
     def ignored_hf_names(self, names: set[str]) -> set[str]:
         # Multi-token-prediction layers follow the decoder layers in HF numbering; they are not built.
@@ -93,3 +101,20 @@ class DeepseekV3Bridge(LlamaBridge):
     def mlp_mappings(self) -> list[Mapping]:
         bias = Replicated("decoder.layers.*.mlp.router.expert_bias", "model.layers.*.mlp.gate.e_score_correction_bias")
         return [*super().mlp_mappings(), *routed_experts(), bias, *shared_experts()]
+
+
+def _rope_fields(rope: dict[str, Any]) -> dict[str, Any]:
+    """MLA RoPE settings: plain, or YaRN as in the published DeepSeek-V3 config (HF's defaults where it is silent;
+    a missing mscale_all_dim is 0 in both, which leaves the softmax scale alone)."""
+    if rope["rope_type"] == "default":
+        return {"rope_type": "rope", "rotary_base": rope["rope_theta"], "rotary_scaling_factor": 1.0}
+    return {
+        "rope_type": "yarn",
+        "rotary_base": rope["rope_theta"],
+        "rotary_scaling_factor": float(rope["factor"]),
+        "original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
+        "beta_fast": float(rope.get("beta_fast", 32.0)),
+        "beta_slow": float(rope.get("beta_slow", 1.0)),
+        "mscale": float(rope.get("mscale", 1.0)),
+        "mscale_all_dim": float(rope.get("mscale_all_dim", 0.0)),
+    }

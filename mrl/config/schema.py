@@ -117,6 +117,10 @@ class MegatronConfig:
     grad_offload: bool = True
     # Optimizer state (Adam moments and fp32 master weights, 12 bytes per parameter), as param_offload.
     optimizer_offload: bool = True
+    # MoE routing replay: 'none'; 'rollout' (R3: the old-log-prob, reference and update passes route every token
+    # to the experts the rollout engine chose; needs a rollout backend that returns routed experts: hf, or vllm on
+    # GPU); 'old_log_prob' (R2: the update replays the routing recorded in the old-log-prob pass). MoE models only.
+    router_replay: str = "none"
 
 
 @dataclass

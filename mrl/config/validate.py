@@ -434,9 +434,11 @@ def layout_shape_problems(hf: dict[str, Any], tp: int, pp: int, vpp: int | None,
     heads = int(hf.get("num_attention_heads", 1))
     kv_heads = int(hf.get("num_key_value_heads") or heads)
     layers, experts, vocab = int(hf.get("num_hidden_layers", 1)), _num_experts(hf), hf.get("vocab_size")
-    if tp >= 1 and (heads % tp or kv_heads % tp):
+    # Fewer key-value heads than TP ranks: megatron-core 0.19 all-gathers the QKV projection and each rank takes
+    # its group, so TP must be a multiple of the KV heads (bridges/mapping.py FusedQKV).
+    if tp >= 1 and (heads % tp or (kv_heads % tp and tp % kv_heads)):
         yield "tensor_model_parallel_size", (f"must divide the model's attention heads ({heads}) and key-value "
-                                             f"heads ({kv_heads})")
+                                             f"heads ({kv_heads}), or be a multiple of the key-value heads")
     elif tp > 1 and vocab and vocab % tp:
         yield "tensor_model_parallel_size", f"must divide the model's vocabulary ({vocab} tokens)"
     split = pipeline_split_problem(layers, pp, vpp, overrides or {})
@@ -608,6 +610,39 @@ def _rollout_correction(cfg: DictConfig, _: bool) -> Iterator[Violation]:
                         "algorithm.rollout_correction weighs π_old against π_rollout; in bypass mode π_old is the "
                         "rollout's log-probs, so every weight is 1: set rollout.recompute_old_log_prob=true or turn "
                         "the correction off")
+
+
+ROUTER_REPLAY = ("none", "rollout", "old_log_prob")
+# Backends whose adapters return each request's routed experts (TokenOutput.extra["routed_experts"]).
+ROUTING_BACKENDS = ("hf",)
+
+
+@rule
+def _router_replay(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
+    """Router replay needs an MoE model, no full recompute (Megatron re-runs the router in the backward pass,
+    after the replay target is gone) and, for R3, a backend that returns routed experts and π_old recomputed."""
+    setting = "actor.megatron.router_replay"
+    mode = _get(cfg, setting)
+    for role in ("ref", "critic"):
+        if _get(cfg, f"{role}.megatron.router_replay") != "none":
+            yield Violation(f"{role}.megatron.router_replay", _get(cfg, f"{role}.megatron.router_replay"),
+                            "only actor.megatron.router_replay is read (the reference replays as the actor does)")
+    yield from _one_of(cfg, setting, ROUTER_REPLAY)
+    if mode in (None, "none") or mode not in ROUTER_REPLAY:
+        return
+    hf = hf_config(cfg, check_paths)
+    if hf is not None and not _num_experts(hf):
+        yield Violation(setting, mode, "the model is dense: router replay needs an MoE model (routed experts)")
+    if _get(cfg, "actor.megatron.recompute_granularity") == "full":
+        yield Violation(setting, mode, "full activation recompute re-runs the router in the backward pass, where "
+                                       "Megatron's replay target is gone: use recompute_granularity null or "
+                                       "'selective'")
+    if mode == "rollout" and _get(cfg, "rollout.name") not in ROUTING_BACKENDS:
+        yield Violation(setting, mode, f"R3 replays the engine's routing; rollout.name={_get(cfg, 'rollout.name')} "
+                                       f"does not return it (backends that do: {', '.join(ROUTING_BACKENDS)})")
+    if mode == "old_log_prob" and not _get(cfg, "rollout.recompute_old_log_prob"):
+        yield Violation(setting, mode, "R2 records the routing in the old-log-prob pass, which "
+                                       "rollout.recompute_old_log_prob=false skips")
 
 
 # Rules on single fields, keys and what lies beside the config register themselves on import.

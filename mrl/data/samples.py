@@ -37,6 +37,29 @@ def payload(prompt_ids: Sequence[int], response_ids: Sequence[int], response_mas
     }
 
 
+def routed_experts(turn_extras: Sequence[dict[str, Any]], length: int) -> torch.Tensor | None:
+    """The engine's routing of a trajectory of `length` tokens, [length, L, K], from its turns' `routed_experts`
+    (each turn's covers its prompt, i.e. every earlier token, observations included, and its own tokens but the
+    last): the longest one, the rest NOT_ROUTED (-1). None when no turn returned routing."""
+    from mrl.engine.megatron.routing import NOT_ROUTED
+
+    found = [e["routed_experts"] for e in turn_extras if e.get("routed_experts") is not None]
+    if not found:
+        return None
+    longest = max(found, key=len)[:length]
+    pad = longest.new_full((length - len(longest), *longest.shape[1:]), NOT_ROUTED)
+    return torch.cat([torch.as_tensor(longest), pad])
+
+
+def fill_unrouted(routing: Sequence[torch.Tensor | None], payloads: Sequence[dict[str, torch.Tensor]]
+                  ) -> list[torch.Tensor]:
+    """`routing` with every None (a trajectory no turn of which returned routing) all NOT_ROUTED, so the column
+    covers every row."""
+    like = next(r for r in routing if r is not None)
+    return [r if r is not None else like.new_full((len(p["input_ids"]), *like.shape[1:]), -1)
+            for r, p in zip(routing, payloads)]
+
+
 def light_batch(records: Sequence[dict[str, Any]]) -> Batch:
     """The scalar columns of a step's records: what the driver balances, computes advantages on and dispatches."""
     return Batch.from_dict({

@@ -59,7 +59,8 @@ class BaseEngine(ABC):
 
     @abstractmethod
     def infer(self, batch: Any, *, entropy: bool = False) -> dict[str, Tensor]:
-        """Per-token outputs in the batch's flat layout: `log_probs` (and `entropy`), or `values` for a critic."""
+        """Per-token outputs in the batch's flat layout: `log_probs` (and `entropy`), or `values` for a critic. An MoE
+        engine with router replay also takes `routing=True` (mrl/engine/megatron/engine.py says what it adds)."""
 
     @abstractmethod
     def to(self, device: str, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:

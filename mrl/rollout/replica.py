@@ -90,6 +90,8 @@ class ReplicaSpec:
     # Address the engine's own endpoints listen on (rollout.server_host); loopback unless allow_remote_access.
     host: str = LOOPBACK
     allow_remote_access: bool = False
+    # Return each request's routed experts (TokenOutput.extra["routed_experts"]): router replay R3.
+    return_routed_experts: bool = False
 
     def server_env(self) -> dict[str, str]:
         """Environment of the server process: the defaults, the engine's listening address, then `env`."""
@@ -116,6 +118,8 @@ class ReplicaSpec:
             "enforce_eager": self.enforce_eager,
             "host": self.host,
             "allow_remote_access": self.allow_remote_access,
+            # Only when asked: backends without the capability refuse the setting by name.
+            **({"return_routed_experts": True} if self.return_routed_experts else {}),
         }
 
 

@@ -61,3 +61,11 @@ def mismatch_over_ranks(per_rank: list[dict[str, Any]]) -> dict[str, float]:
     out = {k: sum(r[k] * r["tokens"] for r in ranks) / tokens for k in ("logprob_mismatch", "mismatch_kl")}
     out["logprob_abs_diff_max"] = max(r["logprob_abs_diff_max"] for r in ranks)
     return {f"rollout/{k}": v for k, v in out.items()}
+
+
+def routing_over_ranks(per_rank: list[dict[str, Any]]) -> dict[str, float]:
+    """The step's MoE routing metrics (`actor/routing_agreement`, per-layer agreement and expert load, from
+    mrl/engine/megatron/routing.py `routing_metrics`): the mean over the DP ranks that measured them."""
+    keys = sorted({k for r in per_rank for k in r.get("routing", {})})
+    return {k: sum(r["routing"][k] for r in per_rank if k in r.get("routing", {}))
+            / sum(1 for r in per_rank if k in r.get("routing", {})) for k in keys}

@@ -51,6 +51,7 @@ def rollout_spec(c: MrlConfig) -> ReplicaSpec:
         env=engine_env(c, torch.cuda.is_available()),
         host=r.server_host,
         allow_remote_access=r.allow_remote_access,
+        return_routed_experts=c.actor.megatron.router_replay == "rollout",
     )
 
 

@@ -266,7 +266,7 @@ class PPOTrainer:
         # The actor skips rows its first update trains on-policy (ActorRolloutRefWorker.on_policy_rows).
         per_rank = self.parts.actor_rollout.compute_log_prob(batch, self.num_updates)
         self.old_log_prob_share = min(sum(r["rows"] for r in per_rank) / max(len(batch), 1), 1.0)
-        return {**batching.mismatch_over_ranks(per_rank),
+        return {**batching.mismatch_over_ranks(per_rank), **batching.routing_over_ranks(per_rank),
                 **correction_metrics([r["correction"] for r in per_rank], self.global_steps)}
 
     def compute_advantage(self, batch: Batch) -> Batch:

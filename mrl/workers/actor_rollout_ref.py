@@ -15,6 +15,7 @@ Token fields are jagged and aligned with `input_ids` (prompt + response): `respo
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from mrl.controller import Dispatch, Execute, Worker, nd_compute, register
 from mrl.data.batch import Batch
 from mrl.data.jagged import JaggedTensor
 from mrl.data.samples import write_back
+from mrl.engine.megatron.routing import routing_metrics
 from mrl.utils.phase_memory import phase_memory, tracks_memory
 from mrl.workers.cpu_threads import worker_threads
 from mrl.workers.token_level import rank_mismatch, token_advantages, token_level_advantages
@@ -103,9 +105,12 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
         role = c.actor if trainable else c.ref
         micro = c.actor.ppo_micro_batch_size_per_gpu if trainable else c.ref.log_prob_micro_batch_size_per_gpu
         dynamic = c.actor.use_dynamic_bsz
+        # The reference replays the rollout's routing under R3 too: it takes the actor's router_replay.
+        megatron = role.megatron if trainable else dataclasses.replace(role.megatron,
+                                                                       router_replay=c.actor.megatron.router_replay)
         engine = MegatronEngine(
             c.model.path,
-            role.megatron,
+            megatron,
             c.actor.optim if trainable else None,
             micro_batch_size=None if dynamic else micro,
             max_tokens_per_micro_batch=c.actor.ppo_max_token_len_per_gpu if dynamic else None,
@@ -155,14 +160,24 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
         correction's metrics per weight version (`correction_stats`). Given the step's `num_updates`, rows that
         `update_actor` trains on-policy are skipped (`on_policy_rows`)."""
         batch = batch[self.on_policy_rows(len(batch), num_updates):]
-        fetched = self.fetch(batch, ["input_ids", "response_mask", "rollout_log_probs"])
-        fetched["old_log_probs"] = self._infer(self.actor, fetched)
-        self.write(ACTOR_MESH, batch, {"old_log_probs": fetched.jagged_field("old_log_probs")})
+        replay = self.config.actor.megatron.router_replay
+        fetched = self.fetch(batch, ["input_ids", "response_mask", "rollout_log_probs", *self.replayed_fields("old")])
+        outputs = self._infer(self.actor, fetched, routing=replay != "none")
+        fetched["old_log_probs"] = outputs["log_probs"]
+        written = {"old_log_probs": fetched.jagged_field("old_log_probs")}
+        if replay == "old_log_prob":  # R2: the update replays what this pass routed by
+            written["routed_experts"] = outputs["routed_experts"]
+        self.write(ACTOR_MESH, batch, written)
+        routing = {}
+        if replay == "rollout":
+            num_experts = self.actor.engine.tf_config.num_moe_experts  # type: ignore[union-attr]
+            routing = routing_metrics(outputs["own_experts"].values, fetched.jagged_field("routed_experts").values,
+                                      num_experts)
         padded = {k: fetched.as_padded(k)[0] for k in ("old_log_probs", "rollout_log_probs", "response_mask")}
         versions = batch["min_version"] if "min_version" in batch else torch.full((len(batch),), -1)
         stats = correction_stats(padded["old_log_probs"], padded["rollout_log_probs"], padded["response_mask"],
                                  self.correction, versions)
-        return {**rank_mismatch(fetched), "correction": stats}
+        return {**rank_mismatch(fetched), "correction": stats, "routing": routing}
 
     @register(nd_compute(ACTOR_MESH), pad=True)
     @tracks_memory("ref")
@@ -170,14 +185,24 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
         """`ref_log_prob` of every token under the reference policy, into the store."""
         if self.ref is None:
             raise RuntimeError("compute_ref_log_prob: this worker was built without a reference policy")
-        fetched = self.fetch(batch, ["input_ids"])
-        fetched["ref_log_prob"] = self._infer(self.ref, fetched)
+        fetched = self.fetch(batch, ["input_ids", *self.replayed_fields("ref")])
+        fetched["ref_log_prob"] = self._infer(self.ref, fetched)["log_probs"]
         self.write(ACTOR_MESH, batch, {"ref_log_prob": fetched.jagged_field("ref_log_prob")})
 
-    def _infer(self, role: TrainingWorker | None, batch: Batch) -> JaggedTensor:
+    def replayed_fields(self, phase: str) -> list[str]:
+        """The routing a pass replays (actor.megatron.router_replay): R3 the rollout's in every pass, R2 the
+        old-log-prob pass's in the update. Rows the first update trains on-policy had no old-log-prob pass: under
+        R2 their update routes by itself, which is what the old-log-prob pass would have recorded."""
+        replay = self.config.actor.megatron.router_replay
+        return ["routed_experts"] if replay == "rollout" or (replay == "old_log_prob" and phase == "update") else []
+
+    def _infer(self, role: TrainingWorker | None, batch: Batch, routing: bool = False) -> dict[str, JaggedTensor]:
+        """The engine's per-token outputs as jagged fields aligned with `batch` (log_probs; routing with it)."""
         assert role is not None, "init_model first"
-        outputs = role.infer_batch(to_engine_batch(batch, ["input_ids"]))
-        return jagged_from_flat(outputs["log_probs"], batch.jagged_field("input_ids"))
+        keys = ["input_ids", *(["routed_experts"] if "routed_experts" in batch else [])]
+        outputs = role.infer_batch(to_engine_batch(batch, keys), routing=routing)
+        ids = batch.jagged_field("input_ids")
+        return {k: jagged_from_flat(v, ids) for k, v in outputs.items()}
 
     @register(Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO)
     def compute_token_advantages(self, batch: Batch, estimator: str, config: AdvantageConfig,
@@ -215,6 +240,7 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
         spread here over model tokens; token-level ones left `advantages` in the store. A rollout correction also
         needs the rollout's log-probs (a field apart from π_old and π_ref)."""
         keys = ["input_ids", "response_mask"] + (["old_log_probs"] if with_old else [])
+        keys += self.replayed_fields("update" if with_old else "on_policy")
         keys += ["rollout_log_probs"] if self.correction.enabled else []
         keys += ["ref_log_prob"] if self.config.actor.use_kl_loss else []
         batch = self.fetch(batch, keys + ([] if "advantage" in batch else ["advantages"]))

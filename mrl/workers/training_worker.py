@@ -115,8 +115,8 @@ class TrainingWorker:
                 metrics.append(step)
         return metrics
 
-    def infer_batch(self, batch: Any, entropy: bool = False) -> dict[str, Tensor]:
-        return self.engine.infer(batch, entropy=entropy)
+    def infer_batch(self, batch: Any, entropy: bool = False, routing: bool = False) -> dict[str, Tensor]:
+        return self.engine.infer(batch, entropy=entropy, **({"routing": True} if routing else {}))
 
     def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
         """Free the accelerator for another phase (rollout in hybrid mode); nothing to free on a CPU-only host."""

@@ -10,6 +10,7 @@ the protocol needs. Sleep levels are tracked (and the wake-up order enforced) bu
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -64,6 +65,7 @@ class HFAdapter(RolloutAdapter):
         num_threads: int | None = 1,
         tensor_parallel_size: int = 1,
         engine_kwargs: dict[str, Any] | None = None,
+        return_routed_experts: bool = False,
         **engine_settings: Any,
     ) -> None:
         from transformers import AutoModelForCausalLM
@@ -85,18 +87,31 @@ class HFAdapter(RolloutAdapter):
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-rollout")
         self._abort_epoch = 0
+        self._routers = _routers(self.model) if return_routed_experts else []
+        self._routed: list[torch.Tensor] = []  # the running forward's top-k per MoE layer (one model thread)
+        for router in self._routers:
+            router.register_forward_hook(self._record_routing)
+
+    def _record_routing(self, module, args, output) -> None:
+        # The router's own top-k indices (its last output): exactly what the experts were given.
+        if not isinstance(output, tuple) or output[-1].is_floating_point():
+            raise TypeError(f"return_routed_experts: {type(module).__name__} does not return top-k indices")
+        self._routed.append(output[-1].detach().to(torch.int16))
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     @torch.no_grad()
-    def _forward(self, new_ids: list[int], cache) -> torch.Tensor:
+    def _forward(self, new_ids: list[int], cache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Next-token logits and, with routed experts on, the fed tokens' routing [len(new_ids), L, K]."""
+        self._routed = []
         out = self.model(input_ids=torch.tensor([new_ids]), past_key_values=cache, use_cache=True)
-        return out.logits[0, -1].float()
+        routing = torch.stack(self._routed, dim=1) if self._routers else None
+        return out.logits[0, -1].float(), routing
 
     async def _generate(
         self, request_id: str, prompt_ids: list[int], params: dict[str, Any], budget: int
-    ) -> tuple[list[int], list[float], StopReason]:
+    ) -> tuple[list[int], list[float], StopReason, dict[str, Any]]:
         from transformers import DynamicCache
 
         epoch = self._abort_epoch
@@ -106,20 +121,29 @@ class HFAdapter(RolloutAdapter):
         cache = DynamicCache(config=self.model.config)
         ids: list[int] = []
         lps: list[float] = []
+        routed: list[torch.Tensor] = []
         feed = prompt_ids
+        reason: StopReason = "length"
         while len(ids) < budget:
             if self._abort_epoch != epoch:
-                return ids, lps, "aborted"
-            logits = await self._run(self._forward, feed, cache)
+                reason = "aborted"
+                break
+            logits, routing = await self._run(self._forward, feed, cache)
+            if routing is not None:
+                routed.append(routing)
             if self._abort_epoch != epoch:
-                return ids, lps, "aborted"
+                reason = "aborted"
+                break
             token, logp = sample_token(logits, params, generator)
             ids.append(token)
             lps.append(logp)
             if token in stops:
-                return ids, lps, "stop"
+                reason = "stop"
+                break
             feed = [token]
-        return ids, lps, "length"
+        # Routing of every token fed: the prompt and all sampled tokens but the last (vLLM's layout too).
+        extra = {"routed_experts": torch.cat(routed)} if routed else {}
+        return ids, lps, reason, extra
 
     async def _abort_running(self) -> None:
         self._abort_epoch += 1
@@ -144,10 +168,42 @@ class HFAdapter(RolloutAdapter):
 
     @torch.no_grad()
     def _load_named(self, named: list[tuple[str, torch.Tensor]]) -> int:
-        result = self.model.load_state_dict(dict(named), strict=False, assign=False)
+        rest = [(n, t) for n, t in named if not _load_expert(self.model, n, t)]
+        result = self.model.load_state_dict(dict(rest), strict=False, assign=False)
         if result.unexpected_keys:
             raise KeyError(f"weights not in the model: {sorted(result.unexpected_keys)[:8]}")
         return len(named)
 
     async def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+_EXPERT = re.compile(r"(?P<experts>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight")
+
+
+def _load_expert(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    """Copy one per-expert tensor (the safetensors/export name) into transformers 5's fused in-memory experts
+    (`gate_up_proj` [E, 2I, H] = gate rows then up rows, `down_proj` [E, H, I]); False if `name` is no such tensor
+    or the model keeps that expert unfused."""
+    match = _EXPERT.fullmatch(name)
+    if match is None:
+        return False
+    experts, e, proj = match["experts"], int(match["e"]), match["proj"]
+    try:
+        fused = model.get_parameter(f"{experts}.{'down_proj' if proj == 'down' else 'gate_up_proj'}")
+    except AttributeError:
+        return False
+    rows = tensor.shape[0]
+    target = fused[e] if proj == "down" else fused[e, :rows] if proj == "gate" else fused[e, rows:]
+    target.copy_(tensor)
+    return True
+
+
+def _routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The MoE routers of a transformers model (`mlp.gate` modules whose output ends with the top-k indices), in
+    layer order; a model without them cannot return routed experts."""
+    routers = [m for name, m in model.named_modules() if name.endswith("mlp.gate") and hasattr(m, "top_k")]
+    if not routers:
+        raise ValueError(f"return_routed_experts: {type(model).__name__} has no MoE router (mlp.gate with a top_k) "
+                         "whose top-k the hf backend can read; router replay needs an MoE model")
+    return routers

@@ -1,12 +1,15 @@
 """Bridges are exact, in every layout of a 2-process world (one launch; parallel state re-initialised per case).
 
 For each family (tiny random HF models, fp32): Megatron logits equal HF logits within 1e-5 at TP=1 (DP=2), TP=2,
-PP=2, and EP=2 (plus TP=2×EP=2 with expert-TP=1) for MoE families; a tied-embedding 4-layer Llama runs at PP=2×VPP=2
-and a Llama with Llama-3 RoPE scaling at TP=2. On every rank, export reproduces the HF safetensors bit for bit (same
-names, shapes, values, nothing missing or extra), and the `tp_slices` export gives each rank exactly its TP slice of
-the dense TP-split tensors (vocabulary, norms and experts whole). `save_hf` from a sharded layout reloads in
-transformers with the same logits. The import never holds more than one layer's tensors at once, and sharded layouts
-read less than the whole checkpoint. A bridge whose table leaves a parameter unmapped cannot be registered.
+PP=2, and EP=2 (plus TP=2×EP=2 with expert-TP=1) for MoE families; a tied-embedding 4-layer Llama runs at PP=2×VPP=2,
+a Llama with Llama-3 RoPE scaling at TP=2, a DeepSeek-V3 with the published config's YaRN RoPE (factor 40, mscale
+1.0, mscale_all_dim 1.0, beta 32/1; original context scaled down to 64) at TP=1 and TP=2, and a Qwen3 with one
+key-value head at TP=2. On every rank, export reproduces the HF safetensors bit for bit (same names, shapes, values,
+nothing missing or extra), and the `tp_slices` export gives each rank exactly its TP slice of the dense TP-split
+tensors (vocabulary, norms and experts whole; QKV whole when there are fewer KV heads than TP). `save_hf` from a
+sharded layout reloads in transformers with the same logits. The import never holds more than one layer's tensors at
+once, and sharded layouts read less than the whole checkpoint. A bridge whose table leaves a parameter unmapped
+cannot be registered.
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ LAYOUTS: dict[str, dict[str, int]] = {
 CASES = [(f, lay) for f in FAMILIES for lay in ("tp1", "tp2", "pp2")]
 CASES += [(f, lay) for f in MOE for lay in ("ep2", "tp2_ep2_etp1")]
 CASES += [("llama_tied4", "tp1"), ("llama_tied4", "pp2_vpp2"), ("llama_rope3", "tp2")]
+CASES += [("deepseek_v3_yarn", "tp1"), ("deepseek_v3_yarn", "tp2"), ("qwen3_kv1", "tp2")]
+# DeepSeek-V3's published rope_scaling, with the original context scaled down to the tiny model's.
+DEEPSEEK_V3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 64,
+                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 # save_hf runs once per family, from its most sharded layout.
 SAVE_FROM = {
     "llama": "pp2",
@@ -277,6 +284,10 @@ def world2(tmp_path_factory) -> dict:
         "original_max_position_embeddings": 8192,
     }
     folders["llama_rope3"] = str(make_tiny_hf_model("llama", root / "llama_rope3", rope_parameters=llama3_rope))
+    # One key-value head at TP=2 (fewer KV heads than TP ranks: megatron-core's all-gathered QKV layout).
+    folders["qwen3_kv1"] = str(make_tiny_hf_model("qwen3", root / "qwen3_kv1", num_key_value_heads=1))
+    folders["deepseek_v3_yarn"] = str(make_tiny_hf_model(
+        "deepseek_v3", root / "deepseek_v3_yarn", rope_parameters=DEEPSEEK_V3_YARN, max_position_embeddings=2560))
     save_root = root / "saved"
     per_rank = launch(_run_cases, WORLD, CASES, LAYOUTS, folders, str(save_root), SAVE_FROM, timeout_s=900)
     reference = {}
@@ -316,8 +327,11 @@ def test_tp_slices_export_is_each_ranks_slice_of_the_hf_tensors(world2, family, 
             assert names == []
             continue
         assert not any("embed_tokens" in n or "lm_head" in n or ".experts." in n or "norm" in n for n in names)
-        dense = ("o_proj.weight",) if family == "deepseek_v3" else ("q_proj.weight", "o_proj.weight")
-        for part in dense + (("gate_proj.weight", "down_proj.weight") if family not in MOE else ()):
+        dense = ("o_proj.weight",) if family.startswith("deepseek_v3") else ("q_proj.weight", "o_proj.weight")
+        if family == "qwen3_kv1":  # one KV head at TP=2: QKV goes whole
+            assert not any(n.endswith(("q_proj.weight", "k_proj.weight")) for n in names)
+            dense = ("o_proj.weight",)
+        for part in dense + (("gate_proj.weight", "down_proj.weight") if not family.startswith(MOE) else ()):
             assert any(n.endswith(part) for n in names), (part, names)
 
 

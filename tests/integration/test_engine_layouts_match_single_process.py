@@ -11,13 +11,18 @@ after training (1e-5).
 Also here, because they share the launches: `infer` equals log_softmax of the HF model's logits at the next
 tokens; packing several samples into one micro-batch gives the same gradients and log-probs as one sample
 per micro-batch, at TP=1 and TP=2; and TP=2 with `compile_fusions` (compiled SwiGLU, residual add, RMSNorm and
-log-prob kernels, on CPU too) matches the eager single-process run.
+log-prob kernels, on CPU too) matches the eager single-process run. MoE layouts include expert-TP apart from TP
+(TP=2×EP=2 with ETP=1, trained) and the auxiliary losses on (TP=2 with SP); a model with one key-value head trains at
+TP=2 (fewer KV heads than TP). And router replay (R3) under TP=2×EP=2 with
+ETP=1: every rank routes every token to the rollout engine's experts, with the single-process log-probs and
+update loss (routing_fixtures.py).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from routing_fixtures import make_near_tie_moe, replay_passes, rollouts
 
 from mrl.utils.distributed import launch
 
@@ -27,6 +32,8 @@ VOCAB = 512
 LR = 1e-3
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 MOE_OVERRIDES = {"moe_aux_loss_coeff": 0.0, "moe_router_load_balancing_type": "none"}
+# The auxiliary load-balancing and router z losses on: they reach the gradients (not the reported loss).
+MOE_AUX = {"moe_aux_loss_coeff": 0.1, "moe_z_loss_coeff": 0.01, "moe_router_load_balancing_type": "aux_loss"}
 
 
 def samples(n: int = 8, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -116,6 +123,8 @@ def run_many(rank: int, world: int, cases: list[tuple[str, str, dict, dict, dict
         for name, path, layout, micro, overrides in cases:
             if name.startswith("packing"):
                 results[name] = grads_of_packing(path, layout)
+            elif name.startswith("replay"):  # replay cases carry the rollouts in the micro-batch slot
+                results[name] = replay_passes(rank, world, path, micro, layout)
             else:
                 results[name] = run_layout(path, layout, micro, overrides)
     finally:
@@ -139,7 +148,11 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine_models")
     dense = make_tiny_hf_model("qwen3", root / "dense", tokenizer=False, vocab_size=VOCAB, num_hidden_layers=4)
     moe = make_tiny_hf_model("qwen3_moe", root / "moe", tokenizer=False, vocab_size=VOCAB)
-    return {"dense": str(dense), "moe": str(moe)}
+    near_tie = make_near_tie_moe(root / "near_tie")
+    # One key-value head under TP=2: megatron-core all-gathers the QKV projection (fewer KV heads than TP).
+    kv1 = make_tiny_hf_model("qwen3", root / "kv1", tokenizer=False, vocab_size=VOCAB, num_key_value_heads=1)
+    return {"dense": str(dense), "moe": str(moe), "near_tie": near_tie, "rollouts": rollouts(near_tie),
+            "kv1": str(kv1)}
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +160,10 @@ def reference(models):
     cases = [
         ("dense", models["dense"], {}, {"micro_batch_size": 3}, {}),
         ("moe", models["moe"], {}, {"micro_batch_size": 3}, MOE_OVERRIDES),
+        ("moe_aux", models["moe"], {}, {"micro_batch_size": 3}, MOE_AUX),
         ("packing_tp1", models["dense"], {}, {}, {}),
+        ("replay", models["near_tie"], {}, models["rollouts"], {}),
+        ("dense_kv1", models["kv1"], {}, {"micro_batch_size": 3}, {}),
     ]
     return launch(run_many, 1, cases, timeout_s=600)[0]
 
@@ -226,12 +242,20 @@ def test_world2_layouts_match_single_process(models, reference):
         ("pp2_vpp2", d, {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}, DYNAMIC, {}),
         ("dp2_distopt", d, {"use_distributed_optimizer": True}, {"micro_batch_size": 1}, {}),
         ("ep2", m, {"expert_model_parallel_size": 2}, DYNAMIC, MOE_OVERRIDES),
+        ("tp2_kv1", models["kv1"], {"tensor_model_parallel_size": 2}, DYNAMIC, {}),
+        # The auxiliary losses balance the tokens of each micro-batch, so only a layout that keeps the reference's
+        # micro-batches (TP, no DP split) can match it: under EP=2 (DP=2) the grad norm differed by 0.3 %.
+        ("tp2_sp_aux", m, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, {"micro_batch_size": 3},
+         MOE_AUX),
         ("packing_tp2", d, {"tensor_model_parallel_size": 2}, {}, {}),
         ("tp2_compiled", d, {"tensor_model_parallel_size": 2, "compile_fusions": True}, DYNAMIC, {}),
     ]
     results = launch(run_many, 2, cases, timeout_s=900)
     check_all(results, reference, [c[0] for c in cases])
     assert all(r["tp2_compiled"]["compiled_graphs"] > 0 for r in results)  # the compiled kernels really ran
+    # the auxiliary losses really changed the gradients
+    norms = {k: [s["grad_norm"] for s in reference[k]["steps"]] for k in ("moe", "moe_aux")}
+    assert abs(norms["moe"][0] - norms["moe_aux"][0]) > 1e-4, norms
 
 
 def check_all(results: list[dict], reference: dict, names: list[str]) -> None:
@@ -243,7 +267,9 @@ def check_all(results: list[dict], reference: dict, names: list[str]) -> None:
                 if name.startswith("packing"):
                     assert_packing_matches(result[name], f"{name} rank {rank}")
                 else:
-                    assert_matches(result[name], reference["moe" if "ep" in name else "dense"], f"{name} rank {rank}")
+                    ref = ("moe_aux" if "aux" in name else "moe" if "ep" in name else "dense_kv1" if "kv1" in name
+                           else "dense")
+                    assert_matches(result[name], reference[ref], f"{name} rank {rank}")
             except AssertionError as e:
                 failures.append(str(e))
     assert not failures, "\n\n".join(failures)
@@ -261,6 +287,32 @@ def test_world4_layouts_match_single_process(models, reference):
             DYNAMIC,
             MOE_OVERRIDES,
         ),
+        (
+            "tp2_ep2_etp1",  # expert-TP apart from TP, trained: 3 optimizer steps against the single process
+            m,
+            {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1,
+             "sequence_parallel": True},
+            DYNAMIC,
+            MOE_OVERRIDES,
+        ),
+        ("replay_tp2_ep2_etp1", models["near_tie"], {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2,
+                                                     "expert_tensor_parallel_size": 1, "sequence_parallel": True},
+         models["rollouts"], {}),
     ]
     results = launch(run_many, 4, cases, timeout_s=900)
-    check_all(results, reference, [c[0] for c in cases])
+    check_all(results, reference, [c[0] for c in cases[:3]])
+    assert_replay_matches(results, reference["replay"], models["rollouts"], "replay_tp2_ep2_etp1")
+
+
+def assert_replay_matches(results: list[dict], ref: dict, data: list[dict], name: str) -> None:
+    """R3 on every rank: the routers used the engine's experts for every routed token, and log-probs and update
+    loss equal the single-process replay (the trainer's own top-k may differ there: near ties, other sums)."""
+    from mrl.engine.megatron.routing import same_experts
+
+    engine = torch.cat([s["routed_experts"] for s in data])
+    routed = (engine >= 0).all(dim=-1)
+    for rank, result in enumerate(results):
+        got = result[name]
+        assert bool(same_experts(got["r3/routed_experts"], engine)[routed].all()), rank
+        torch.testing.assert_close(got["r3/log_probs"], ref["r3/log_probs"], atol=1e-5, rtol=1e-5)
+        assert abs(float(got["update_loss"]) - float(ref["update_loss"])) < 1e-5, rank

@@ -49,10 +49,10 @@ def stepped(trainer: Any, steps: int) -> Iterator[tuple[Any, list[dict[str, Any]
 
 
 def tiny_trainer(cls: type, recipe: str, root: Path, overrides: list[str], words: list[str], prompts: int = 8,
-                 **model_kwargs: Any):
-    """A `cls` trainer (a PPOTrainer subclass) over `recipe` on a tiny random Qwen2 and `prompts` prompts of 4
-    `words`."""
-    model = make_tiny_hf_model("qwen2", root / "model", seed=0, **model_kwargs)
+                 family: str = "qwen2", **model_kwargs: Any):
+    """A `cls` trainer (a PPOTrainer subclass) over `recipe` on a tiny random model of `family` (Qwen2) and
+    `prompts` prompts of 4 `words`."""
+    model = make_tiny_hf_model(family, root / "model", seed=0, **model_kwargs)
     built = build_trainer(load_config(recipe, [
         f"model.path={model}", f"data.train_files=[{prompt_file(root / 'train.jsonl', words, 4, count=prompts)}]",
         "trainer.val_before_train=false", "trainer.test_freq=-1", "actor.optim.lr=1e-3",

@@ -146,6 +146,17 @@ INVALID = [
     (["trainer.total_epochs=0"], "trainer.total_epochs", ">= 1"),
     (["data.val_batch_size=0"], "data.val_batch_size", ">= 1"),
     (["trainer.peak_tflops_per_device=0"], "trainer.peak_tflops_per_device", "must be > 0"),
+    # MoE router replay
+    (["actor.megatron.router_replay=r3"], "actor.megatron.router_replay", "must be one of"),
+    (["model.path={dense}", "rollout.name=hf", "actor.megatron.router_replay=rollout"],
+     "actor.megatron.router_replay", "the model is dense"),
+    (["model.path={moe}", "rollout.name=vllm", "actor.megatron.router_replay=rollout"],
+     "actor.megatron.router_replay", "does not return it"),
+    (["model.path={moe}", "rollout.name=hf", "actor.megatron.router_replay=old_log_prob",
+      "actor.megatron.recompute_granularity=full"], "actor.megatron.router_replay", "full activation recompute"),
+    (["model.path={moe}", "actor.megatron.router_replay=old_log_prob", "rollout.recompute_old_log_prob=false"],
+     "actor.megatron.router_replay", "R2 records the routing in the old-log-prob pass"),
+    (["ref.megatron.router_replay=rollout"], "ref.megatron.router_replay", "only actor.megatron.router_replay"),
 ]
 
 

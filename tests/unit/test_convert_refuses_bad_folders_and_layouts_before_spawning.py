@@ -34,7 +34,8 @@ def test_missing_folders_and_bad_sizes_are_named(tmp_path, capsys):
 def test_a_layout_the_model_cannot_split_into_is_named(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(MODEL))
     assert _convert(capsys, "to-megatron", str(tmp_path), str(tmp_path / "out"), "--tp", "4") == [
-        "mrl: --tp=4: must divide the model's attention heads (6) and key-value heads (2)"]
+        "mrl: --tp=4: must divide the model's attention heads (6) and key-value heads (2), or be a "
+        "multiple of the key-value heads"]
     assert _convert(capsys, "to-megatron", str(tmp_path), str(tmp_path / "out"), "--pp", "2") == [
         "mrl: --pp=2: PP × VPP = 2 model chunks must divide the model's 3 layers"]
     assert _convert(capsys, "to-megatron", str(tmp_path), str(tmp_path / "out"), "--ep", "2") == [

@@ -82,6 +82,11 @@ class MegatronEngine(BaseEngine):
             etp=megatron.expert_tensor_parallel_size,
             cp=megatron.context_parallel_size,
         )
+        # MoE routing replay (actor.megatron.router_replay): routers replay a batch's `routed_experts` and report
+        # their own top-k (mrl/engine/megatron/routing.py).
+        self.trace_routing = megatron.router_replay != "none"
+        self._replays: dict[int, list[tuple[int, Any]]] = {}
+        self._traces: dict[int, list[dict[str, dict[int, Tensor]]]] = {}
         self.model: list[Any] = []
         self.optimizer: Any = None
         self.scheduler: Any = None
@@ -113,6 +118,7 @@ class MegatronEngine(BaseEngine):
         overrides = {
             **fusion_fields(self.bridge.config_fields(), self.compiled_kernels),
             **self._recompute_fields(),
+            **({"moe_enable_routing_replay": True} if self.trace_routing else {}),
             **self.cfg.override_transformer_config,
         }
         fields = runtime_config(
@@ -132,8 +138,20 @@ class MegatronEngine(BaseEngine):
             DistributedDataParallel(self.tf_config, ddp_config, chunk, disable_bucketing=i > 0)
             for i, chunk in enumerate(chunks)
         ]
+        if self.trace_routing:
+            self._install_routing(chunks)
         if self.optim_cfg is not None:
             self._build_optimizer(dtype)
+
+    def _install_routing(self, chunks: list[torch.nn.Module]) -> None:
+        from mrl.engine.megatron import routing
+
+        c = self.tf_config
+        if not c.num_moe_experts:
+            raise ValueError("actor.megatron.router_replay: the model has no MoE layers")
+        self.moe_layers = routing.moe_layer_numbers(c.num_layers, c.moe_layer_freq)
+        # Keyed by the DDP chunk the schedule hands forward_step.
+        self._replays = {id(ddp): replays for ddp, replays in zip(self.model, routing.install(chunks, self.moe_layers))}
 
     def _prepare_chunks(self, chunks: list[torch.nn.Module]) -> None:
         """Hook between weight import and DDP wrapping (the critic adds its value head here)."""
@@ -232,8 +250,13 @@ class MegatronEngine(BaseEngine):
         mbs = [mb.to(device) for mb in mbs]
         host_offsets = not transformer_engine_available()
 
+        self._traces = {key: [] for key in self._replays}
+
         def forward_step(data_iterator: Iterator[PackedMicroBatch], model: Any) -> tuple[Any, Any]:
             mb = next(data_iterator)
+            replays = self._replays.get(id(model))
+            if replays is not None:
+                self._replay(replays, mb)
             output = model(
                 mb.input_ids,
                 mb.position_ids,
@@ -242,6 +265,10 @@ class MegatronEngine(BaseEngine):
                 output_processor=self._output_processor(),
                 output_processor_context=self._processor_context(mb, model),
             )
+            if replays is not None:
+                from mrl.engine.megatron.routing import read_back
+
+                self._traces[id(model)].append(read_back(replays))
             return output, partial(loss_func, mb)
 
         iterators = [iter(mbs) for _ in self.model]
@@ -254,6 +281,46 @@ class MegatronEngine(BaseEngine):
             micro_batch_size=1,
             forward_only=forward_only,
         )
+
+    def _replay(self, replays: list[tuple[int, Any]], mb: PackedMicroBatch) -> None:
+        """Point this chunk's routers at the micro-batch's `routed_experts` (this rank's rows), if it has them."""
+        from megatron.core import parallel_state as ps
+
+        from mrl.engine.megatron import routing
+
+        target = None
+        if "routed_experts" in mb.fields:
+            packed = routing.packed_routing(mb.fields, mb.token_mask, mb.input_ids.shape[1])
+            target = routing.local_rows(packed, self.tf_config.sequence_parallel,
+                                        ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
+        routing.set_targets(replays, target)
+
+    def _gathered_routing(self, mbs: list[PackedMicroBatch], kind: str) -> list[Tensor]:
+        """Per micro-batch, the [T, L, K] routing of kind 'own' or 'used' of its whole packed row: the chunks'
+        layers merged, sequence-parallel slices gathered over TP, the stages' layers over PP (every rank)."""
+        from megatron.core import parallel_state as ps
+
+        from mrl.engine.megatron.routing import ROUTING_DTYPE
+
+        out = []
+        for m in range(len(mbs)):
+            layers: dict[int, Tensor] = {}
+            for traces in self._traces.values():
+                layers.update(traces[m][kind])
+            if self.tf_config.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:
+                group = ps.get_tensor_model_parallel_group()
+                for i, local in sorted(layers.items()):
+                    # int64 on the device: gloo and NCCL both reduce it; int16 is only the storage dtype.
+                    local = local.to(_device(), torch.int64)
+                    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+                    dist.all_gather(parts, local, group=group)
+                    layers[i] = torch.cat(parts).to("cpu", ROUTING_DTYPE)
+            if ps.get_pipeline_model_parallel_world_size() > 1:
+                stages: list[Any] = [None] * ps.get_pipeline_model_parallel_world_size()
+                dist.all_gather_object(stages, layers, group=ps.get_pipeline_model_parallel_group())
+                layers = {i: t for stage in stages for i, t in stage.items()}
+            out.append(torch.stack([layers[i] for i in range(len(self.moe_layers))], dim=1))
+        return out
 
     def _output_processor(self) -> Any:
         return logprob.output_processor
@@ -350,8 +417,10 @@ class MegatronEngine(BaseEngine):
             self.optimizer.zero_grad()
 
     @torch.no_grad()
-    def infer(self, batch: JaggedBatch, *, entropy: bool = False) -> dict[str, Tensor]:
-        """Per-token `log_probs` (and `entropy`) in the batch's flat layout, on every rank of the DP group."""
+    def infer(self, batch: JaggedBatch, *, entropy: bool = False, routing: bool = False) -> dict[str, Tensor]:
+        """Per-token `log_probs` (and `entropy`) in the batch's flat layout, on every rank of the DP group. With
+        `routing` (router replay on), also `routed_experts` (what the routers routed by: the batch's routing where
+        it has one, replayed) and `own_experts` (the routers' own top-k), [N, L, K] int16."""
         from megatron.core import parallel_state
 
         for chunk in self.model:
@@ -375,7 +444,12 @@ class MegatronEngine(BaseEngine):
             src=parallel_state.get_pipeline_model_parallel_last_rank(),
             group=parallel_state.get_pipeline_model_parallel_group(),
         )
-        return dict(zip(keys, out.cpu()))
+        result = dict(zip(keys, out.cpu()))
+        if routing and self.trace_routing:
+            for key, kind in (("routed_experts", "used"), ("own_experts", "own")):
+                rows = [(mb.sample_index, mb.unpack(r)) for mb, r in zip(mbs, self._gathered_routing(mbs, kind))]
+                result[key] = scatter_to_batch(rows, lengths)
+        return result
 
     def _output_keys(self, entropy: bool) -> list[str]:
         return ["log_probs", "entropy"] if entropy else ["log_probs"]

@@ -15,7 +15,7 @@ import ray
 
 from mrl.data.jagged import JaggedTensor
 from mrl.data.sample_store import SampleStore
-from mrl.data.samples import TRAJECTORY_FIELDS, payload
+from mrl.data.samples import TRAJECTORY_FIELDS, fill_unrouted, payload, routed_experts
 from mrl.rollout.agent_loop.base import Trajectory, agent_loop_class
 from mrl.rollout.agent_loop.tools import ToolBox, load_parser, load_tools
 from mrl.rollout.client import FaultPolicy, FullyAsyncLLMServerClient, LLMServerClient, wait_within
@@ -64,8 +64,11 @@ class AgentLoopWorker:
         trajectories = await asyncio.gather(*calls)
         keys = [uuid.uuid4().hex for _ in trajectories]  # unique per trajectory, whatever the uid
         payloads = [payload(t.prompt_ids, t.response_ids, t.response_mask, t.rollout_log_probs) for t in trajectories]
-        await self.store.put_jagged_async(keys, {f: JaggedTensor.from_list([p[f] for p in payloads])
-                                                 for f in TRAJECTORY_FIELDS})
+        columns = {f: JaggedTensor.from_list([p[f] for p in payloads]) for f in TRAJECTORY_FIELDS}
+        routing = [routed_experts(t.turn_extras, len(p["input_ids"])) for t, p in zip(trajectories, payloads)]
+        if any(r is not None for r in routing):  # the engine returned routed experts (router replay R3)
+            columns["routed_experts"] = JaggedTensor.from_list(fill_unrouted(routing, payloads))
+        await self.store.put_jagged_async(keys, columns)
         return [record(t, k, sid, self.decode_model_tokens(t)) for t, k, sid in zip(trajectories, keys, sessions)]
 
     def decode_model_tokens(self, traj: Trajectory) -> str:
