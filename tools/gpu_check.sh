@@ -2,7 +2,8 @@
 # The GPU acceptance run on a GPU machine that has the kit installed (../shared/gpu/README.md): the end-to-end GPU
 # tests, then tools/bench/e2e_gpu.py, each stage under its own time limit, logs in DIR (default /tmp/mrl_gpu).
 # Stages run in the order that finds defects soonest; a failing stage does not stop the next.
-# Usage: bash tools/gpu_check.sh [DIR] [STAGE ...]   (stages: sleep learn bench05 peak async bench15 engine)
+# Usage: bash tools/gpu_check.sh [DIR] [STAGE ...]   (stages: sleep learn bench05 peak async bench15 engine;
+# also, when named: genlayers, the generation gap layer by layer at the 1.5B shape, tools/bench/gen_overhead.py)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 DIR="${1:-/tmp/mrl_gpu}"; shift || true
@@ -16,9 +17,10 @@ declare -A CMD=(
   [peak]="python3 -m pytest $T/test_hybrid_run_with_a_large_training_peak_completes_beside_the_engine.py -q -s --timeout=600"
   [async]="python3 -m pytest $T/test_colocate_async_on_one_gpu_stays_within_its_staleness_bound.py -q -s --timeout=400"
   [bench15]="python3 tools/bench/e2e_gpu.py --shapes 1.5b --json $DIR/e2e_1.5b.json"
+  [genlayers]="python3 tools/bench/gen_overhead.py --shape 1.5b --dtype bfloat16 --response-length 1024 --agent-workers 1 4 --num-cpus 16"
   [engine]="python3 -m pytest $T/test_bridge_export_matches_hf_on_cuda.py $T/test_engine_sdpa_attention_loss_matches_local_spec_on_cuda.py $T/test_engine_tp1_on_gpu_matches_hf.py $T/test_weight_sync_cuda_ipc_delivers_bit_identical_stream.py -q --timeout=300"
 )
-declare -A LIMIT=([sleep]=300 [learn]=600 [bench05]=480 [peak]=600 [async]=400 [bench15]=600 [engine]=300)
+declare -A LIMIT=([sleep]=300 [learn]=600 [bench05]=480 [peak]=600 [async]=400 [bench15]=600 [engine]=300 [genlayers]=600)
 STAGES=("$@"); [[ ${#STAGES[@]} == 0 ]] && STAGES=(sleep learn bench05 peak async bench15 engine)
 for stage in "${STAGES[@]}"; do
   start=$(date +%s)
@@ -27,6 +29,6 @@ for stage in "${STAGES[@]}"; do
   rc=$?
   pkill -9 -f "vllm|ray::|raylet|gcs_server|EngineCore" > /dev/null 2>&1; sleep 3  # a stage killed at its limit leaves its engine
   echo "=== $stage rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$DIR/summary.txt"
-  grep -E "passed|failed|error|ratios|^== |Error|assert" "$DIR/$stage.log" | tail -n 8 >> "$DIR/summary.txt"
+  grep -E "passed|failed|error|ratios|^== |Error|assert|direct/path|direct \\||client \\||agent x" "$DIR/$stage.log" | tail -n 8 >> "$DIR/summary.txt"
 done
 echo "=== done" >> "$DIR/summary.txt"

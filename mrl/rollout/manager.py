@@ -76,6 +76,7 @@ class LLMServerManager:
         self._monitor: threading.Thread | None = None
         # The last transport sync's sender when it kept its group (weight_sync.keep_group), with what it serves.
         self._kept_sender: tuple[tuple, WeightSender] | None = None
+        self._starting: tuple[list[RolloutReplica], list[ray.ObjectRef], Any] | None = None  # create(wait=False)
 
     def __getstate__(self) -> dict[str, Any]:
         # Workers receive a copy (set_rollout) to push weights; the monitor and its lock stay on the driver, and a
@@ -100,11 +101,14 @@ class LLMServerManager:
         policy: FaultPolicy | None = None,
         pd: PDSpec | None = None,
         pd_base_port: int = 5600,
+        wait: bool = True,
     ) -> LLMServerManager:
         """Start every replica in parallel, register them with the balancer and start the health monitor.
 
         hybrid / colocated: `pool` is the RayResourcePool to place on (the trainer's for hybrid) and the replica
         count follows from its size. standalone: `num_devices` slots, each replica in its own new pool.
+        `wait=False` returns once the engines are launching (the balancer exists, no replica is registered yet):
+        the caller starts other parts meanwhile and calls `wait_started()` before any request or control call.
         """
         manager = cls(spec, mode, start_timeout_s, policy, pd, pd_base_port)
         if manager.mode is RolloutMode.STANDALONE:
@@ -115,9 +119,17 @@ class LLMServerManager:
         else:
             num_devices = pool.world_size if num_devices is None else num_devices
         count = replica_count(num_devices, manager.replica_devices)
-        manager.add_replicas(count, pool=pool)
-        manager.start_monitor()
+        manager._starting = manager._launch_new(count, pool)
+        if wait:
+            manager.wait_started()
         return manager
+
+    def wait_started(self) -> None:
+        """Finish `create(wait=False)`: wait for the replicas' engines, register them, start the health monitor."""
+        starting, self._starting = self._starting, None
+        if starting is not None:
+            self._register(*starting)
+            self.start_monitor()
 
     @property
     def replica_devices(self) -> int:
@@ -140,7 +152,9 @@ class LLMServerManager:
 
     def _start(self, new: list[RolloutReplica], pool: Any) -> None:
         """Start replicas in parallel; on failure or timeout stop them all and raise."""
-        starts = [self._launch(replica, pool) for replica in new]
+        self._wait_for(new, [self._launch(replica, pool) for replica in new])
+
+    def _wait_for(self, new: list[RolloutReplica], starts: list[ray.ObjectRef]) -> None:
         try:
             ray.get(starts, timeout=self.start_timeout_s)
         except ray.exceptions.GetTimeoutError as error:
@@ -158,9 +172,17 @@ class LLMServerManager:
 
     def add_replicas(self, count: int, pool: Any = None) -> list[int]:
         """Start `count` more replicas (in parallel) and put them behind the balancer; returns their ranks."""
+        return self._register(*self._launch_new(count, pool))
+
+    def _launch_new(self, count: int, pool: Any) -> tuple[list[RolloutReplica], list[ray.ObjectRef], Any]:
+        """Launch `count` more replicas without waiting: (replicas, refs to their start times, pool)."""
         new = [self._new_replica(self._next_rank + i) for i in range(count)]
         self._next_rank += count
-        self._start(new, pool)
+        return new, [self._launch(replica, pool) for replica in new], pool
+
+    def _register(self, new: list[RolloutReplica], starts: list[ray.ObjectRef], pool: Any) -> list[int]:
+        """Wait for launched replicas to serve, then put them behind the balancer; returns their ranks."""
+        self._wait_for(new, starts)
         with self._lock:
             for replica in new:
                 self._call(self.balancer.add_server.remote(replica.server_id, replica.server))

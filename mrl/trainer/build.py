@@ -1,5 +1,5 @@
-"""Assemble a trainer from a validated config: resource pool → actor/rollout/ref workers and rollout replicas
-(started concurrently) → agent loops → data and reward. The slime order, in one function."""
+"""Assemble a trainer from a validated config: data → resource pool → rollout replicas, actor/rollout/ref workers,
+agent loops and reward (all started concurrently, then waited for). The slime order, in one function."""
 
 from __future__ import annotations
 
@@ -113,6 +113,18 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
         max_colocate_count=max(c.resources.max_colocate_count, 1 + hybrid + c.critic.enable),
         name_prefix=f"mrl_{c.trainer.experiment_name}",
     )
+    spec = rollout_spec(c)
+    policy = c.rollout  # its retry, health-check and time-limit knobs
+    placement = rollout_placement(c)  # checked at start-up by the same function (mrl/config/placement.py)
+    # Everything below starts concurrently and is waited for at the end: the engines first (usually the longest
+    # start: import, weight load, CUDA graphs), then the training workers (process start, Megatron build, weight
+    # load), the agent-loop workers and the sample store (before: one after another; docs/gpu.md, "Start-up").
+    pd = c.rollout.pd
+    pd_spec = PDSpec(pd.prefill_tp, pd.decode_tp, pd.n_decode, transfer_backend=pd.transfer_backend) \
+        if pd.enabled else None
+    rollout = LLMServerManager.create(spec, c.rollout.mode, pool=pool if hybrid else None,
+                                      num_devices=placement.devices, policy=policy, wait=False, pd=pd_spec,
+                                      pd_base_port=pd.base_port)
     with_ref = c.actor.use_kl_loss or c.algorithm.use_kl_in_reward
     actor_rollout = RayWorkerGroup(
         pool, RayClassWithInitArgs(ActorRolloutRefWorker, c, with_ref=with_ref), name_prefix="actor_rollout",
@@ -124,27 +136,23 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
         critic = RayWorkerGroup(pool, RayClassWithInitArgs(CriticWorker, c), name_prefix="critic",
                                 call_timeout_s=c.trainer.dispatch_timeout_s)
         engines_ready.append(critic.init_model())
-    spec = rollout_spec(c)
-    policy = c.rollout  # its retry, health-check and time-limit knobs
-    placement = rollout_placement(c)  # checked at start-up by the same function (mrl/config/placement.py)
-    progress(f"started {actor_rollout.world_size} training worker(s); starting {placement.replicas} {c.rollout.name} "
-             f"replica(s) of {placement.footprint} device(s) while Megatron builds and loads the weights")
-    pd = c.rollout.pd
-    pd_spec = PDSpec(pd.prefill_tp, pd.decode_tp, pd.n_decode, transfer_backend=pd.transfer_backend) \
-        if pd.enabled else None
-    rollout = LLMServerManager.create(spec, c.rollout.mode, pool=pool if hybrid else None,
-                                      num_devices=placement.devices, policy=policy, pd=pd_spec,
-                                      pd_base_port=pd.base_port)
-    progress(f"rollout replicas serving ({c.rollout.name})")
-    for ready in engines_ready:
-        ready.get()
-    progress("Megatron engines built, weights loaded" + (" (actor and critic)" if critic is not None else ""))
-    actor_rollout.set_rollout(rollout)
+    progress(f"started {actor_rollout.world_size} training worker(s) and {placement.replicas} {c.rollout.name} "
+             f"replica(s) of {placement.footprint} device(s); Megatron builds and loads the weights meanwhile")
+    # The clients fetch the server set at their first call, after the replicas are registered below.
     agent_loops = AgentLoopManager(
         c.rollout.agent_loop_workers, tokenizer_path, rollout.balancer, c.rollout.agent_loop,
         c.data.max_response_length, list(c.rollout.tools), c.rollout.max_turns, policy,
         fully_async=c.trainer.mode != "sync",
     )
+    reward = RewardEvaluator(None if c.reward.reward_fn == "auto" else c.reward.reward_fn,
+                             max_workers=c.reward.num_workers, timeout_s=c.reward.timeout_s)
+    rollout.wait_started()
+    progress(f"rollout replicas serving ({c.rollout.name})")
+    for ready in engines_ready:
+        ready.get()
+    progress("Megatron engines built, weights loaded" + (" (actor and critic)" if critic is not None else ""))
+    agent_loops.wait_ready()
+    actor_rollout.set_rollout(rollout)
     for group in (actor_rollout, critic):  # workers fetch and write per-token data by key (mrl/data/samples.py)
         if group is not None:
             group.set_store(agent_loops.store)
@@ -156,8 +164,7 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
         tokenizer=tokenizer,
         train_data=train_data,
         val_data=val_data,
-        reward=RewardEvaluator(None if c.reward.reward_fn == "auto" else c.reward.reward_fn,
-                               max_workers=c.reward.num_workers, timeout_s=c.reward.timeout_s),
+        reward=reward,
         critic=critic,
     )
     parts.pool = pool  # type: ignore[attr-defined]

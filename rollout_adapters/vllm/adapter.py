@@ -114,9 +114,13 @@ class VLLMAdapter(RolloutAdapter):
             **engine_kwargs,
         )
         self.engine = None
-        # Held from admission until the request is queued in the engine core, and by aborts: every request the
-        # adapter admitted is inside the engine before a pause, so the pause aborts it instead of parking it.
-        self._submit_lock = asyncio.Lock()
+        # Requests admitted but not yet queued in the engine core; a pause waits until there are none, so it aborts
+        # every request the adapter admitted instead of parking it. A lock held around each add_request did the
+        # same but serialised admission: vLLM preprocesses a raw prompt on a thread pool, so a burst of 256
+        # requests made 256 event-loop round trips one after another while the engine already stepped.
+        self._submitting = 0
+        self._all_submitted = asyncio.Event()
+        self._all_submitted.set()
 
     async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -132,8 +136,14 @@ class VLLMAdapter(RolloutAdapter):
     async def _run(self, request_id: str, prompt_ids: list[int], sampling: Any) -> Any:
         """Submit one request and wait for its final RequestOutput (aborted in the engine if the caller is
         cancelled). Subclasses that add per-request engine arguments (PD transfer params) build `sampling`."""
-        async with self._submit_lock:
+        self._submitting += 1
+        self._all_submitted.clear()
+        try:
             queue = await self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, sampling)
+        finally:
+            self._submitting -= 1
+            if not self._submitting:
+                self._all_submitted.set()
         try:
             out = None
             while out is None or not out.finished:
@@ -146,8 +156,8 @@ class VLLMAdapter(RolloutAdapter):
         return out
 
     async def _abort_running(self) -> None:
-        async with self._submit_lock:
-            await self.engine.pause_generation(mode="abort", clear_cache=False)
+        await self._all_submitted.wait()  # admission is closed: no new submission starts meanwhile
+        await self.engine.pause_generation(mode="abort", clear_cache=False)
 
     async def _reopen(self) -> None:
         await self.engine.resume_generation()

@@ -10,7 +10,8 @@ For each shape (Qwen2.5-0.5B / 1.5B, random bf16 weights, the demo's character t
    the same config: memory fraction, graphs, dtype, lengths, sleep mode, worker extension), the same B × n
    requests and sampling; median of `--direct-rounds` rounds after a warm-up round.
 3. mrl warm: `build_trainer` again on the same machine (compile caches filled), timed, then shut down.
-Prints one table per shape and the ratios the GPU issue asks for; `--json` writes everything.
+Prints one table per shape and the ratios the GPU issue asks for; `--json` writes everything. Where a gap in
+generation lies (the server process and its RPC, or the agent loops): tools/bench/gen_overhead.py, same shapes.
 
     python tools/bench/e2e_gpu.py --shapes 0.5b 1.5b --response-length 1024 --batch 32 --n 8
 """
@@ -154,6 +155,8 @@ def report(shape: str, mrl: dict[str, Any], direct: dict[str, Any], warm_s: floa
     gen_tokens = m.get("perf/gen_tokens_per_s", float("nan")) * t["gen"]
     ratios = {
         "gen_vs_direct": direct["gen_s"] / t["gen"],
+        # The trainer's gen stage also scores the responses (timed inside it as "reward"); without that part:
+        "gen_without_reward_vs_direct": direct["gen_s"] / (t["gen"] - t.get("reward", 0.0)),
         "non_compute_share": overhead / step,
         "update_mfu": m.get("perf/mfu/update_actor", float("nan")),
         "startup_cold_s": mrl["startup_s"], "startup_warm_s": warm_s,

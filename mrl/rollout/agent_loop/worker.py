@@ -98,6 +98,13 @@ class AgentLoopManager:
         ]
         self._next_worker = 0
 
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Block until every worker has started (tokenizer loaded, store connected): the workers start while
+        whatever the caller starts next does, instead of inside the first generation round."""
+        refs = {f"agent-loop worker {i}": w.__ray_ready__.remote() for i, w in enumerate(self.workers)}
+        wait_within(refs, timeout_s, "start of the agent-loop workers", "timeout_s")
+        ray.get(list(refs.values()))  # a constructor's error is raised here
+
     def submit(self, sample: dict[str, Any], n: int, sampling: dict[str, Any]) -> ray.ObjectRef:
         """The `n` records of one sample, without waiting (workers take turns): a ref to the list."""
         worker = self.workers[self._next_worker % len(self.workers)]
