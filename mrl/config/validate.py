@@ -576,5 +576,16 @@ def _rollout_correction(cfg: DictConfig, _: bool) -> Iterator[Violation]:
                         "the correction off")
 
 
+@rule
+def _forwarded_weight_sync(cfg: DictConfig, _: bool) -> Iterator[Violation]:
+    """SGLang and TensorRT-LLM receive the sync in the adapter process, one receiver per TP (×PP) worker of one
+    engine (rollout_adapters/forwarding.py): an engine with DP ranks has workers no update entry addresses."""
+    name, dp = _get(cfg, "rollout.name"), _get(cfg, "rollout.data_parallel_size")
+    if name in ("sglang", "trtllm") and dp != 1:
+        yield Violation("rollout.data_parallel_size", dp,
+                        f"the {name} adapter forwards weight_sync.transport's stream to the TP ranks of one engine "
+                        "(its update call has one entry per TP rank): it must be 1; add replicas instead")
+
+
 # Rules on single fields, keys and what lies beside the config register themselves on import.
 from mrl.config import field_rules  # noqa: E402, F401

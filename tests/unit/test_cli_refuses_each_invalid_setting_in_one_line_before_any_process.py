@@ -96,6 +96,10 @@ TINY = [
      "rollout.gpu_memory_utilization fills this engine argument"),
     (["rollout.name=sglang", "+rollout.engine_kwargs.extra_args=['--mem-fraction-static','0.4']"],
      "rollout.engine_kwargs.mem_fraction_static", "rollout.gpu_memory_utilization fills this engine argument"),
+    (["rollout.name=trtllm", "rollout.data_parallel_size=2", "resources.n_gpus_per_node=2"],
+     "rollout.data_parallel_size", "forwards weight_sync.transport's stream to the TP ranks of one engine"),
+    (["rollout.name=sglang", "rollout.data_parallel_size=2", "resources.n_gpus_per_node=2"],
+     "rollout.data_parallel_size", "forwards weight_sync.transport's stream to the TP ranks of one engine"),
     # optimizer fields and their shapes
     (["actor.optim.betas=[0.9]"], "actor.optim.betas", "two numbers"),
     (["critic.optim.betas=[0.9,0.99,0.999]"], "critic.optim.betas", "two numbers"),
