@@ -101,7 +101,7 @@ def receive_and_forward(
     """Receive every pair's stream (blocking; run it off the event loop) and forward bucket by bucket; returns the
     tensors worker 0 loaded. `prepare` maps a rank's bucket before the barrier (e.g. copies the transport's views
     into memory the adapter owns and can share)."""
-    from mrl.weight_sync import receive_into
+    from mrl.weight_sync import receive_into, report_failure
 
     barrier = RoundBarrier(len(pairs), forward)
     counts: list[int] = [0] * len(pairs)
@@ -111,12 +111,16 @@ def receive_and_forward(
         def load(named: Named) -> None:
             barrier.deliver(worker, prepare(named) if prepare is not None else named)
 
+        started = False
         try:
             device = worker_device(spec, worker)
             if device is not None:
                 torch.cuda.set_device(device)  # per thread: the receiver and `prepare` work on this device
-            counts[worker] = receive_into(spec, rank, load)
+            started = True
+            counts[worker] = receive_into(spec, rank, load)  # reports its own failures to the sender
         except BaseException as error:
+            if not started:
+                report_failure(spec, rank, error)  # else the sender would wait for this rank to its deadline
             errors[worker] = error
             barrier.leave(worker, error)
             return
