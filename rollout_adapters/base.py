@@ -296,7 +296,7 @@ class RolloutAdapter(ABC):
         """Join a weight-sync transport's group as `rank` (+ worker index) and load what arrives in place."""
         raise NotImplementedError(
             f"weight_sync.transport={spec['transport']}: the {self.backend!r} rollout backend has no weight-sync "
-            "receiver yet (vllm and hf have one)"
+            "receiver yet (vllm, hf, sglang and trtllm have one)"
         )
 
     async def _reopen(self) -> None:

@@ -7,9 +7,11 @@ machines (docs/rollout_backends.md keeps the record). The server is also reachab
 elsewhere (`base_url=`), e.g. one member of a prefill/decode-disaggregated replica (mrl/rollout/pd.py).
 
 Weight paths: `_load_weights` (the protocol's update) sends each bucket's tensors as serialized handles to
-/update_weights_from_tensor (colocated: same host, CUDA IPC on GPU); a standalone replica joins a temporary group
-with `init_weight_update_group` and receives broadcasts announced by `update_weights_from_distributed`. The
-delta-sharded path (only changed shards per rank) is not built.
+/update_weights_from_tensor (colocated: same host, CUDA IPC on GPU); `_receive_weights` (the trainer's
+weight_sync transports) receives in this process, one receiver per TP rank, and posts the same endpoint per
+bucket with each rank's own entry. `init_weight_update_group` + `update_weights_from_distributed` speak SGLang's
+own group protocol for a caller that broadcasts per tensor (the trainer does not). The delta-sharded path (only
+changed shards per rank) is not built.
 """
 
 from __future__ import annotations
@@ -178,6 +180,23 @@ class SGLangAdapter(RolloutAdapter):
             count += len(named)
         return count
 
+    async def _receive_weights(self, spec: dict[str, Any] | list, rank: int) -> int:
+        """Transport path (ipc, nccl, disk): this process is the group member of every TP rank (one receiver each,
+        rollout_adapters/forwarding.py) and posts each bucket to /update_weights_from_tensor with rank j's own
+        tensors in entry j. SGLang's /update_weights_from_distributed cannot take mrl's nccl stream (it joins a
+        group of its own rendezvous and receives per-tensor broadcasts), so nccl arrives here too."""
+        from rollout_adapters.forwarding import owned_copy, receive_and_forward, worker_pairs
+
+        loop = asyncio.get_running_loop()
+        patch_cuda_reductions()
+
+        def forward(per_rank: list[list[tuple[str, torch.Tensor]]]) -> None:
+            body = protocol.per_rank_tensor_update_payload(per_rank)
+            asyncio.run_coroutine_threadsafe(self._post("/update_weights_from_tensor", body), loop).result()
+
+        pairs = worker_pairs(spec, rank, self.tp_size)
+        return await asyncio.to_thread(receive_and_forward, pairs, forward, owned_copy)
+
     async def init_weight_update_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int,
         group_name: str = "mrl_weight_update", backend: str = "nccl",
@@ -243,6 +262,17 @@ async def _json_or_text(response: Any) -> Any:
     with contextlib.suppress(Exception):
         return await response.json(content_type=None)
     return await response.text()
+
+
+def patch_cuda_reductions() -> None:
+    """Where SGLang is installed and CUDA present, pickle CUDA tensors the way its TP workers rebuild them (device by
+    UUID, not by this process's index: sglang srt/utils/patch_torch.py). Its patch handles CUDA tensors only."""
+    if not torch.cuda.is_available():
+        return
+    with contextlib.suppress(ImportError):
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        monkey_patch_torch_reductions()
 
 
 def named_metas(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.dtype, list[int]]]:

@@ -162,9 +162,19 @@ def tensor_update_payload(
     """
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    return per_rank_tensor_update_payload([named_tensors] * tp_size, version)
+
+
+def per_rank_tensor_update_payload(
+    per_rank: Sequence[Sequence[tuple[str, torch.Tensor]]], version: int | None = None
+) -> dict[str, Any]:
+    """Body of POST /update_weights_from_tensor whose entry j is TP rank j's own list (TP rank j deserialises
+    `serialized_named_tensors[tp_rank]`; an empty list loads nothing on that rank)."""
+    if not per_rank:
+        raise ValueError("a tensor weight update needs one entry per TP rank, got none")
     payload: dict[str, Any] = {
         # One serialisation per rank: a CPU shared-memory handle passes its file descriptor once only.
-        "serialized_named_tensors": [serialize_named_tensors(named_tensors) for _ in range(tp_size)],
+        "serialized_named_tensors": [serialize_named_tensors(named) for named in per_rank],
         "load_format": None,
         "flush_cache": False,
         "abort_all_requests": False,

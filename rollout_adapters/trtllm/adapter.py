@@ -4,7 +4,8 @@ TensorRT-LLM's RL surface is AsyncLLM: `release(tags)` / `resume(tags)` for tagg
 `update_weights({device_uuid: handles})` through the RLHF worker extension (CUDA IPC handles only), and
 `collective_rpc`. Every translation goes through `protocol.py` (unit-tested); nothing here has run against a live
 engine on the CPU machines. What its API cannot do raises NotImplementedError naming the feature:
-- weight updates over a distributed (NCCL) group: no receive-from-group entry point exists;
+- joining a caller's NCCL group: no receive-from-group entry point exists (weight_sync.transport=nccl is
+  received by this process, one receiver per worker, and forwarded over CUDA IPC: `_receive_weights`);
 - weight updates from CPU tensors / safetensors bytes: the worker rebuilds CUDA IPC handles only;
 - sleep level 1 (offload weights and restore them): released weights come back with undefined content, so a full
   update must follow (that is level 2);
@@ -23,6 +24,8 @@ from rollout_adapters.base import RolloutAdapter, StopReason
 from rollout_adapters.buckets import unpack_bucket
 from rollout_adapters.fields import refuse_shadowing
 from rollout_adapters.trtllm import protocol
+
+CPU_TENSORS = "tensorrt-llm weight update from CPU tensors: its worker rebuilds CUDA IPC handles only"
 
 
 class TRTLLMAdapter(RolloutAdapter):
@@ -77,6 +80,7 @@ class TRTLLMAdapter(RolloutAdapter):
             **extra,
         )
         self.seed = seed
+        self.workers = tensor_parallel_size * pipeline_parallel_size  # weight-sync receivers the trainer allots
         self.llm: Any = None
         self._outputs: dict[str, Any] = {}  # request id -> RequestOutput, for aborts
 
@@ -118,8 +122,7 @@ class TRTLLMAdapter(RolloutAdapter):
         """Colocated path: each bucket is moved to this process's GPU and shared as CUDA IPC handles with the
         worker on the same device; a final call with None finalises the load and resets the prefix cache."""
         if not torch.cuda.is_available():
-            raise NotImplementedError("tensorrt-llm weight update from CPU tensors: its worker rebuilds CUDA IPC "
-                                      "handles only")
+            raise NotImplementedError(CPU_TENSORS)
         from tensorrt_llm._torch.utils import get_device_uuid
 
         device = torch.cuda.current_device()
@@ -133,13 +136,39 @@ class TRTLLMAdapter(RolloutAdapter):
         await self.llm.update_weights(None)
         return count
 
+    async def _receive_weights(self, spec: dict[str, Any] | list, rank: int) -> int:
+        """Transport path (ipc, nccl, disk): this process is the group member of every engine worker (one receiver
+        each, rollout_adapters/forwarding.py); each bucket is copied onto worker j's GPU and all workers' handles go
+        in one update_weights call, then the finalising call. TensorRT-LLM has no receive-from-group entry point, so
+        nccl arrives here too. Worker j is assumed on this process's visible GPU j unless the spec names the GPU."""
+        from rollout_adapters.forwarding import owned_copy, receive_and_forward, worker_device, worker_pairs
+
+        if not torch.cuda.is_available():
+            raise NotImplementedError(CPU_TENSORS)
+        from tensorrt_llm._torch.utils import get_device_uuid
+
+        loop = asyncio.get_running_loop()
+        pairs = worker_pairs(spec, rank, self.workers)
+        uuids = [get_device_uuid(worker_device(s, w)) for w, (s, _) in enumerate(pairs)]
+
+        async def update(payload: dict[str, str]) -> None:
+            await self.llm.update_weights(payload)
+
+        def forward(per_rank: list[list[tuple[str, torch.Tensor]]]) -> None:
+            payload = protocol.per_device_ipc_payload(per_rank, uuids)
+            asyncio.run_coroutine_threadsafe(update(payload), loop).result()
+
+        count = await asyncio.to_thread(receive_and_forward, pairs, forward, owned_copy)
+        await self.llm.update_weights(None)
+        return count
+
     async def init_weight_update_group(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("tensorrt-llm distributed weight update (receive from an NCCL group): its LLM API "
-                                  "has no such entry point; use the colocated IPC path or disk")
+        raise NotImplementedError("tensorrt-llm joining a caller's NCCL group: its LLM API has no such entry point; "
+                                  "weight_sync.transport=nccl is received by the adapter and forwarded over IPC")
 
     async def update_weights_from_distributed(self, *args: Any, **kwargs: Any) -> int:
-        raise NotImplementedError("tensorrt-llm distributed weight update (receive from an NCCL group): its LLM API "
-                                  "has no such entry point; use the colocated IPC path or disk")
+        raise NotImplementedError("tensorrt-llm joining a caller's NCCL group: its LLM API has no such entry point; "
+                                  "weight_sync.transport=nccl is received by the adapter and forwarded over IPC")
 
     async def _sleep(self, level: int) -> None:
         if level == 1:

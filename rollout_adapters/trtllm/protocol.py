@@ -117,6 +117,19 @@ def ipc_update_payload(
     return {device_uuid: base64.b64encode(pickle.dumps(handles)).decode("ascii")}
 
 
+def per_device_ipc_payload(
+    per_rank: Sequence[Sequence[tuple[str, torch.Tensor]]], device_uuids: Sequence[str]
+) -> dict[str, str]:
+    """One bucket for every worker at once: rank j's tensors under the UUID of rank j's device. A rank without
+    tensors this round still gets its (empty) entry: a worker whose UUID is missing raises."""
+    if len(per_rank) != len(device_uuids) or len(set(device_uuids)) != len(device_uuids):
+        raise ValueError(f"one distinct device per rank: {len(per_rank)} ranks, devices {list(device_uuids)}")
+    payload: dict[str, str] = {}
+    for named, uuid in zip(per_rank, device_uuids):
+        payload.update(ipc_update_payload(named, uuid))
+    return payload
+
+
 def rebuild_ipc_payload(
     payload: dict[str, str], device_uuid: str, device_index: int | None = None
 ) -> list[tuple[str, torch.Tensor]]:

@@ -99,15 +99,30 @@ def test_unsupported_features_name_themselves():
     adapter = TRTLLMAdapter("/m", tensor_parallel_size=2, engine_kwargs={"distributed_executor_backend": "ray"})
     assert adapter.llm_kwargs["tensor_parallel_size"] == 2 and adapter.llm_kwargs["enable_sleep"] is True
     assert adapter.llm_kwargs["backend"] == "pytorch"  # raw log-probs: the TRT engine backend applies temperature
-    with pytest.raises(NotImplementedError, match="distributed weight update"):
+    with pytest.raises(NotImplementedError, match=r"caller's NCCL group.*forwarded over IPC"):
         asyncio.run(adapter.init_weight_update_group("h", 1, 1, 2))
-    with pytest.raises(NotImplementedError, match="distributed weight update"):
+    with pytest.raises(NotImplementedError, match="caller's NCCL group"):
         asyncio.run(adapter.update_weights_from_distributed([], 1))
     with pytest.raises(NotImplementedError, match="sleep level 1"):
         asyncio.run(adapter._sleep(1))
     if not torch.cuda.is_available():
         with pytest.raises(NotImplementedError, match="CPU tensors"):
             asyncio.run(adapter._load_weights(_empty()))
+        with pytest.raises(NotImplementedError, match="CPU tensors"):
+            asyncio.run(adapter._receive_weights({"transport": "ipc"}, 1))
+
+
+def test_one_update_call_carries_every_workers_bucket_under_its_device():
+    """rlhf_utils.WorkerExtension.update_weights: each worker reads ipc_handles[its device UUID] and raises when its
+    UUID is missing, so a worker with nothing this round still gets an (empty) entry."""
+    rank0 = [("model.norm.weight", torch.randn(8))]
+    payload = protocol.per_device_ipc_payload([rank0, []], ["GPU-a", "GPU-b"])
+    assert sorted(payload) == ["GPU-a", "GPU-b"]
+    back = protocol.rebuild_ipc_payload(payload, "GPU-a")
+    assert [n for n, _ in back] == ["model.norm.weight"] and torch.equal(back[0][1], rank0[0][1])
+    assert protocol.rebuild_ipc_payload(payload, "GPU-b") == []
+    with pytest.raises(ValueError, match="one distinct device per rank"):
+        protocol.per_device_ipc_payload([rank0, rank0], ["GPU-a", "GPU-a"])
 
 
 async def _empty():
