@@ -576,5 +576,30 @@ def _rollout_correction(cfg: DictConfig, _: bool) -> Iterator[Violation]:
                         "the correction off")
 
 
+@rule
+def _lora(cfg: DictConfig, _: bool) -> Iterator[Violation]:
+    """actor.lora's ranges and target names (mrl/engine/megatron/lora.py)."""
+    from mrl.engine.megatron.lora import TARGETS
+
+    if not _get(cfg, "actor.lora.enable"):
+        return
+    if _get(cfg, "actor.lora.rank") <= 0:
+        yield Violation("actor.lora.rank", _get(cfg, "actor.lora.rank"), "the adapter rank must be > 0")
+    if _get(cfg, "actor.lora.alpha") <= 0:
+        yield Violation("actor.lora.alpha", _get(cfg, "actor.lora.alpha"), "alpha (scale alpha / rank) must be > 0")
+    dropout = _get(cfg, "actor.lora.dropout")
+    if not 0 <= dropout < 1:
+        yield Violation("actor.lora.dropout", dropout, "dropout must be in [0, 1)")
+    targets = list(_get(cfg, "actor.lora.target_modules"))
+    unknown = [t for t in targets if t not in TARGETS]
+    if not targets or unknown:
+        yield Violation("actor.lora.target_modules", targets,
+                        f"name one or more of {list(TARGETS)} (Megatron's layer names; expert layers are not adapted: "
+                        f"the local spec's SequentialMLP experts have no LoRA wrapping yet)")
+    if _get(cfg, "model.bridge_backend") != "mrl":
+        yield Violation("model.bridge_backend", _get(cfg, "model.bridge_backend"),
+                        "LoRA merges its adapters in mrl's bridge export: set model.bridge_backend=mrl")
+
+
 # Rules on single fields, keys and what lies beside the config register themselves on import.
 from mrl.config import field_rules  # noqa: E402, F401
