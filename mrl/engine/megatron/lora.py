@@ -33,7 +33,7 @@ TARGETS = {"linear_qkv": True, "linear_proj": False, "linear_fc1": True, "linear
 
 class LoRAAdapter(nn.Module):
     def __init__(self, base: nn.Module, column: bool, rank: int, alpha: float, dropout: float,
-                 generator: torch.Generator) -> None:
+                 generator: torch.Generator, gated: bool = False) -> None:
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         super().__init__()
@@ -41,6 +41,8 @@ class LoRAAdapter(nn.Module):
         self.scale = alpha / rank
         self.dropout = dropout
         self.active = True
+        # a gated MLP's fc1 (SwiGLU): its rows are [gate; up] per TP shard (checkpoint resharding needs it)
+        self.gated = gated
         self.tp_group = base.tp_group
         self.sequence_parallel = bool(getattr(base, "sequence_parallel", False))
         tp, tp_rank = self.tp_group.size(), self.tp_group.rank()
@@ -110,9 +112,17 @@ def _sharded_state_dict(module: nn.Module, own: Any, prefix: str = "", sharded_o
     adapter: LoRAAdapter = module.lora  # type: ignore[assignment]
     metadata = ensure_metadata_has_dp_cp_group(metadata)
     adapter_state = {"lora.a": adapter.a, "lora.b": adapter.b}
-    state.update(make_sharded_tensors_for_checkpoint(
+    sharded = make_sharded_tensors_for_checkpoint(
         adapter_state, prefix, {"lora.b": 0} if adapter.column else {"lora.a": 1}, sharded_offsets,
-        tp_group=adapter.tp_group, dp_cp_group=metadata["dp_cp_group"]))
+        tp_group=adapter.tp_group, dp_cp_group=metadata["dp_cp_group"])
+    if adapter.gated:  # B's rows are [gate; up] per TP shard, like the gated fc1 weight: Megatron's SwiGLU factory
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+        key = f"{prefix}lora.b"
+        sharded[key] = apply_swiglu_sharded_factory(
+            sharded[key], sharded_offsets, metadata.get("singleton_local_shards", False),
+            tp_group=adapter.tp_group, dp_group=metadata["dp_cp_group"])
+    state.update(sharded)
     return state
 
 
@@ -145,7 +155,8 @@ def apply(chunks: Sequence[nn.Module], settings: Any) -> list[LoRAAdapter]:
             seed = (int(settings.init_seed) * 1_000_003 + layer.layer_number) * len(TARGETS)
             generator = torch.Generator().manual_seed(seed + list(TARGETS).index(leaf))
             module.lora = LoRAAdapter(module, column, int(settings.rank), float(settings.alpha),
-                                      float(settings.dropout), generator)
+                                      float(settings.dropout), generator,
+                                      gated=leaf == "linear_fc1" and bool(module.config.gated_linear_unit))
             module.register_forward_hook(_hook)
             module.weight.export_value = lambda m=module: _merged(m)
             module.sharded_state_dict = functools.partial(_sharded_state_dict, module, module.sharded_state_dict)
