@@ -289,8 +289,10 @@ def _engine_knobs(cfg: DictConfig, _: bool) -> Iterator[Violation]:
         if _get(cfg, f"{m}.sequence_parallel") and _get(cfg, f"{m}.tensor_model_parallel_size") == 1:
             yield Violation(f"{m}.sequence_parallel", True, "sequence parallel splits activations over TP ranks: "
                                                             "it needs tensor_model_parallel_size > 1")
-    if _get(cfg, "actor.use_kl_loss") or _get(cfg, "algorithm.use_kl_in_reward"):
+    kl = _get(cfg, "actor.use_kl_loss") or _get(cfg, "algorithm.use_kl_in_reward")
+    if kl and not _get(cfg, "actor.lora.enable"):
         # The reference engine lives in the actor's processes, and Megatron's parallel state is per process.
+        # (LoRA builds none: the reference is the actor with its adapters off.)
         for key in (*PARALLEL_SIZES, "virtual_pipeline_model_parallel_size", "expert_tensor_parallel_size"):
             ref, actor = _get(cfg, f"ref.megatron.{key}"), _get(cfg, f"actor.megatron.{key}")
             if ref != actor:

@@ -31,3 +31,11 @@ def test_lora_defaults_are_valid_and_off_by_default():
     assert not load_config("tiny/grpo", ["model.path=unused"], check_paths=False).actor.lora.enable
     cfg = load_config("tiny/grpo", VALID + ["actor.lora.target_modules=[linear_qkv]"], check_paths=False)
     assert cfg.actor.lora.rank == 16 and list(cfg.actor.lora.target_modules) == ["linear_qkv"]
+
+
+def test_lora_kl_needs_no_reference_layout():
+    """The reference of a LoRA run is the actor with its adapters off: no reference engine, no layout to match."""
+    tp2 = ["actor.use_kl_loss=true", "actor.megatron.tensor_model_parallel_size=2", "resources.n_gpus_per_node=2"]
+    with pytest.raises(ConfigError, match=r"ref\.megatron\.tensor_model_parallel_size"):
+        load_config("tiny/grpo", ["model.path=unused", *tp2], check_paths=False)
+    assert load_config("tiny/grpo", VALID + tp2, check_paths=False).actor.use_kl_loss
