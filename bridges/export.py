@@ -189,7 +189,9 @@ def _owned(bridge: Bridge, unit: Unit, local: dict[str, LocalTensor], plan: Plan
         own = with_expert(own, unit.indices[-1] + ps.get_expert_model_parallel_rank() * plan.local_experts)
     tensor = local[own]
     shard = bridge.shard_of(tensor)
-    full = tensor.tensor.detach()
+    # A parameter may name what is exported in its place (LoRA: the base weight merged with its adapter).
+    export_value = getattr(tensor.tensor, "export_value", None)
+    full = export_value() if export_value is not None else tensor.tensor.detach()
     if sliced:
         return [full]
     if mapping.tp_dim is not None and shard.size > 1:

@@ -142,6 +142,27 @@ class OptimConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters on the actor's parallel linear layers (mrl/engine/megatron/lora.py)."""
+
+    # Train adapters instead of every weight: the base is frozen (no gradients, no optimizer state) and the
+    # reference policy is the same model with its adapters switched off (no second copy of the weights).
+    enable: bool = False
+    # Adapter rank r (> 0): A is [r, in], B is [out, r].
+    rank: int = 16
+    # Scale of the adapter's output is alpha / rank (> 0).
+    alpha: float = 32.0
+    # Dropout on the adapter's input while training, in [0, 1); 0 keeps the training forward equal to the
+    # log-prob passes (RL compares them).
+    dropout: float = 0.0
+    # Megatron layers that get adapters: linear_qkv, linear_proj (attention), linear_fc1, linear_fc2 (dense MLP;
+    # the experts' fc1/fc2 are not adapted).
+    target_modules: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    # Seed of the adapters' A initialisation (Kaiming-uniform, as PEFT); B starts at zero, so step 0 is the base.
+    init_seed: int = 0
+
+
+@dataclass
 class ActorConfig:
     # Parallel layout of the actor.
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
@@ -179,6 +200,8 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     # Entropy bonus weight (0: none).
     entropy_coeff: float = 0.0
+    # LoRA adapters instead of full fine-tuning.
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 @dataclass

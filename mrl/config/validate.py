@@ -294,8 +294,10 @@ def _engine_knobs(cfg: DictConfig, _: bool) -> Iterator[Violation]:
         if _get(cfg, f"{m}.sequence_parallel") and _get(cfg, f"{m}.tensor_model_parallel_size") == 1:
             yield Violation(f"{m}.sequence_parallel", True, "sequence parallel splits activations over TP ranks: "
                                                             "it needs tensor_model_parallel_size > 1")
-    if _get(cfg, "actor.use_kl_loss") or _get(cfg, "algorithm.use_kl_in_reward"):
+    kl = _get(cfg, "actor.use_kl_loss") or _get(cfg, "algorithm.use_kl_in_reward")
+    if kl and not _get(cfg, "actor.lora.enable"):
         # The reference engine lives in the actor's processes, and Megatron's parallel state is per process.
+        # (LoRA builds none: the reference is the actor with its adapters off.)
         for key in (*PARALLEL_SIZES, "virtual_pipeline_model_parallel_size", "expert_tensor_parallel_size"):
             ref, actor = _get(cfg, f"ref.megatron.{key}"), _get(cfg, f"actor.megatron.{key}")
             if ref != actor:
@@ -643,6 +645,31 @@ def _router_replay(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
     if mode == "old_log_prob" and not _get(cfg, "rollout.recompute_old_log_prob"):
         yield Violation(setting, mode, "R2 records the routing in the old-log-prob pass, which "
                                        "rollout.recompute_old_log_prob=false skips")
+
+
+@rule
+def _lora(cfg: DictConfig, _: bool) -> Iterator[Violation]:
+    """actor.lora's ranges and target names (mrl/engine/megatron/lora.py)."""
+    from mrl.engine.megatron.lora import TARGETS
+
+    if not _get(cfg, "actor.lora.enable"):
+        return
+    if _get(cfg, "actor.lora.rank") <= 0:
+        yield Violation("actor.lora.rank", _get(cfg, "actor.lora.rank"), "the adapter rank must be > 0")
+    if _get(cfg, "actor.lora.alpha") <= 0:
+        yield Violation("actor.lora.alpha", _get(cfg, "actor.lora.alpha"), "alpha (scale alpha / rank) must be > 0")
+    dropout = _get(cfg, "actor.lora.dropout")
+    if not 0 <= dropout < 1:
+        yield Violation("actor.lora.dropout", dropout, "dropout must be in [0, 1)")
+    targets = list(_get(cfg, "actor.lora.target_modules"))
+    unknown = [t for t in targets if t not in TARGETS]
+    if not targets or unknown:
+        yield Violation("actor.lora.target_modules", targets,
+                        f"name one or more of {list(TARGETS)} (Megatron's layer names; expert layers are not adapted: "
+                        f"the local spec's SequentialMLP experts have no LoRA wrapping yet)")
+    if _get(cfg, "model.bridge_backend") != "mrl":
+        yield Violation("model.bridge_backend", _get(cfg, "model.bridge_backend"),
+                        "LoRA merges its adapters in mrl's bridge export: set model.bridge_backend=mrl")
 
 
 # Rules on single fields, keys and what lies beside the config register themselves on import.

@@ -12,7 +12,8 @@ dist-checkpointing (mrl/engine/megatron/checkpoint.py), so it loads under any ot
 A Megatron checkpoint written here carries `hf_config/` (the HF config and tokenizer files) and
 `mrl_convert.json` (layout and dtype), so `to-hf` needs no other input. An RL checkpoint written by the engine
 (`save_checkpoint`: model, optimizer, LR schedule) has neither: pass `--hf-config` (the run's model.path) and the
-layout it was saved with when it used virtual pipeline stages; only the model weights are read.
+layout it was saved with when it used virtual pipeline stages; only the model weights are read. A LoRA run's
+checkpoint (`lora.json` beside it) exports the merged model: base + (alpha / rank)·B·A in every adapted weight.
 """
 
 from __future__ import annotations
@@ -101,13 +102,16 @@ def to_megatron(step: ToMegatron) -> None:
 
 
 def to_hf(step: ToHF) -> None:
-    from mrl.engine.megatron import checkpoint
+    from mrl.engine.megatron import checkpoint, lora
 
     hf_config = step.hf_config or str(Path(step.checkpoint) / HF_CONFIG_DIR)
     if not (Path(hf_config) / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {hf_config}: pass --hf-config (the run's HF model folder)")
     recorded = read_metadata(step.checkpoint).get("dtype")
     bridge, chunks, dtype = _build(hf_config, step.layout, step.dtype or recorded)
+    settings = lora.read_settings(step.checkpoint)
+    if settings is not None:  # a LoRA run's checkpoint: load its adapters too; the export merges them
+        lora.apply(chunks, settings)
     checkpoint.load(step.checkpoint, chunks)
     bridge.save_hf(chunks, step.out, source=hf_config, dtype=dtype)
 

@@ -117,6 +117,7 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
             total_steps=c.trainer.total_training_steps * max(c.data.train_batch_size // c.actor.ppo_mini_batch_size, 1),
             seed=c.trainer.seed,
             bridge_backend=c.model.bridge_backend,
+            lora=c.actor.lora if trainable else None,
         )
         engine.initialize()
         return engine
@@ -126,7 +127,7 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
         """Build the engines (the reference shares the actor's layout). Non-blocking, so the driver can start the
         rollout replicas meanwhile."""
         self.actor = TrainingWorker(self._engine(trainable=True))
-        if self.with_ref:
+        if self.with_ref and not self.config.actor.lora.enable:  # LoRA: the reference is the actor, adapters off
             self.ref = TrainingWorker(self._engine(trainable=False))
         self.register_mesh(ACTOR_MESH, self.actor.engine.mesh())
 
@@ -183,10 +184,15 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
     @tracks_memory("ref")
     def compute_ref_log_prob(self, batch: Batch) -> None:
         """`ref_log_prob` of every token under the reference policy, into the store."""
-        if self.ref is None:
+        lora = self.actor is not None and bool(self.actor.engine.adapters)
+        if self.ref is None and not (self.with_ref and lora):
             raise RuntimeError("compute_ref_log_prob: this worker was built without a reference policy")
         fetched = self.fetch(batch, ["input_ids", *self.replayed_fields("ref")])
-        fetched["ref_log_prob"] = self._infer(self.ref, fetched)["log_probs"]
+        if lora:
+            with self.actor.engine.adapters_disabled():  # type: ignore[union-attr]
+                fetched["ref_log_prob"] = self._infer(self.actor, fetched)["log_probs"]
+        else:
+            fetched["ref_log_prob"] = self._infer(self.ref, fetched)["log_probs"]
         self.write(ACTOR_MESH, batch, {"ref_log_prob": fetched.jagged_field("ref_log_prob")})
 
     def replayed_fields(self, phase: str) -> list[str]:

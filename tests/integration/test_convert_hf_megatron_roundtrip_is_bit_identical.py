@@ -1,6 +1,7 @@
 """`mrl convert` round trips are bit-identical: HF → Megatron dist-checkpoint at TP=2 → HF (read back at TP=1, so
 the checkpoint is layout-free), an MoE model through EP=2, and an RL checkpoint written by the engine (model +
-optimizer + LR schedule) → HF. One world-2 launch runs every conversion."""
+optimizer + LR schedule) → HF. A LoRA run's checkpoint (TP=2, adapters trained one step) converts to the merged
+HF model its engine exported. One world-2 launch runs every conversion."""
 
 import argparse
 import json
@@ -9,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mrl.config.schema import MegatronConfig, OptimConfig
+from mrl.config.schema import LoRAConfig, MegatronConfig, OptimConfig
 from mrl.engine.megatron.engine import MegatronEngine
 from mrl.models.tiny import make_tiny_hf_model
 from mrl.tools import convert
@@ -44,7 +45,28 @@ def _engine_checkpoint_then_convert(rank, world, hf, rl_ckpt, steps):
     # decay, moves no weight (the Adam update of a zero gradient is exactly zero).
     engine.optimizer_step()
     engine.save_checkpoint(rl_ckpt)
+    merged = _lora_checkpoint(hf, rl_ckpt + "_lora")
     convert.run_steps(rank, world, steps)
+    return merged
+
+
+def _lora_checkpoint(hf, path):
+    """A LoRA engine's checkpoint after one real step, and the merged weights its export sends."""
+    from mrl.algo.aggregation import agg_loss
+    from mrl.engine.megatron.packing import JaggedBatch
+
+    def loss_fn(outputs, mb, normalizer):
+        return agg_loss(-outputs["log_probs"], mb["response_mask"], "token-mean", normalizer), {}
+
+    engine = MegatronEngine(hf, MegatronConfig(tensor_model_parallel_size=2), OptimConfig(lr=1e-2),
+                            lora=LoRAConfig(enable=True, rank=4, alpha=8.0))
+    engine.initialize()
+    g = torch.Generator().manual_seed(0)
+    seqs = [{"input_ids": torch.randint(0, 100, (9,), generator=g), "response_mask": torch.ones(9)} for _ in range(2)]
+    engine.forward_backward(JaggedBatch.from_sequences(seqs), loss_fn)
+    engine.optimizer_step()
+    engine.save_checkpoint(path)
+    return {name: t.clone() for name, t in engine.export_weights()}
 
 
 def test_conversions_round_trip_bit_identical(tmp_path):
@@ -56,8 +78,10 @@ def test_conversions_round_trip_bit_identical(tmp_path):
         ToMegatron(str(moe), str(tmp_path / "moe_ep2"), Layout(ep=2)),
         ToHF(str(tmp_path / "moe_ep2"), str(tmp_path / "moe_back"), Layout(tp=2)),
         ToHF(str(tmp_path / "rl_ckpt"), str(tmp_path / "rl_hf"), Layout(tp=2), hf_config=str(dense)),
+        ToHF(str(tmp_path / "rl_ckpt_lora"), str(tmp_path / "lora_hf"), Layout(tp=1), hf_config=str(dense)),
     ]
-    launch(_engine_checkpoint_then_convert, 2, str(dense), str(tmp_path / "rl_ckpt"), steps, timeout_s=300)
+    merged = launch(_engine_checkpoint_then_convert, 2, str(dense), str(tmp_path / "rl_ckpt"), steps,
+                    timeout_s=300)[0]
 
     meta = convert.read_metadata(str(tmp_path / "mcore_tp2"))
     assert meta["layout"]["tp"] == 2 and meta["dtype"] == "float32"
@@ -65,6 +89,12 @@ def test_conversions_round_trip_bit_identical(tmp_path):
     assert convert.read_metadata(str(tmp_path / "moe_ep2"))["dtype"] == "bfloat16"
     _assert_identical(moe, tmp_path / "moe_back")
     _assert_identical(dense, tmp_path / "rl_hf")
+    lora_hf, base = _tensors(tmp_path / "lora_hf"), _tensors(dense)
+    assert sorted(lora_hf) == sorted(merged) == sorted(base)
+    for name, tensor in merged.items():
+        torch.testing.assert_close(lora_hf[name], tensor, atol=1e-6, rtol=1e-6, msg=name)
+    moved = [n for n in base if not torch.equal(lora_hf[n], base[n])]
+    assert moved and all(n.endswith(".weight") and ("_proj" in n) for n in moved), moved  # only adapted layers
 
 
 def test_cli_layout_defaults_to_the_recorded_one_and_flags_win(tmp_path):

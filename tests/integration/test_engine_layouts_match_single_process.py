@@ -16,6 +16,11 @@ log-prob kernels, on CPU too) matches the eager single-process run. MoE layouts 
 TP=2 (fewer KV heads than TP). And router replay (R3) under TP=2×EP=2 with
 ETP=1: every rank routes every token to the rollout engine's experts, with the single-process log-probs and
 update loss (routing_fixtures.py).
+
+LoRA (`lora*` cases, actor.lora on every dense target): TP=2 (with and without sequence parallelism) and PP=2
+match the single-process LoRA run in the same terms (losses, the adapters' grad norm, log-probs, and the merged
+weights the export sends); its first loss equals the full fine-tune's (B starts at zero), and the log-probs with
+the adapters switched off after training equal the base model's before it (the base stays frozen).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 MOE_OVERRIDES = {"moe_aux_loss_coeff": 0.0, "moe_router_load_balancing_type": "none"}
 # The auxiliary load-balancing and router z losses on: they reach the gradients (not the reported loss).
 MOE_AUX = {"moe_aux_loss_coeff": 0.1, "moe_z_loss_coeff": 0.01, "moe_router_load_balancing_type": "aux_loss"}
+LORA = {"enable": True, "rank": 4, "alpha": 8.0}
 
 
 def samples(n: int = 8, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -65,26 +71,35 @@ def rl_loss(mode: str):
     return loss_fn
 
 
-def run_layout(path: str, layout: dict, micro: dict, overrides: dict) -> dict:
-    """Train 3 steps on this rank's DP share; return per-step metrics, final log-probs and (rank 0) weights."""
-    from mrl.config.schema import MegatronConfig, OptimConfig
+def run_layout(path: str, layout: dict, micro: dict, overrides: dict, lora: dict | None = None) -> dict:
+    """Train 3 steps on this rank's DP share; return per-step metrics, final log-probs and (rank 0) weights.
+    With `lora`, also the base model's log-probs before training and with the adapters off after it."""
+    from mrl.config.schema import LoRAConfig, MegatronConfig, OptimConfig
     from mrl.engine.megatron.engine import MegatronEngine
     from mrl.engine.megatron.packing import JaggedBatch
 
     cfg = MegatronConfig(**layout, override_transformer_config=dict(overrides))
-    engine = MegatronEngine(path, cfg, OptimConfig(lr=LR, weight_decay=0.01, clip_grad=1.0), **micro)
+    optim = OptimConfig(lr=LR, weight_decay=0.01, clip_grad=1.0)
+    engine = MegatronEngine(path, cfg, optim, lora=LoRAConfig(**lora) if lora else None, **micro)
     engine.initialize()
     mesh = engine.mesh()
     data = samples()
     mine = JaggedBatch.from_sequences(data[mesh.dp_rank :: mesh.dp_size])
+    base = {}
+    if lora:
+        base["base_before"] = engine.infer(JaggedBatch.from_sequences(data))["log_probs"].numpy()
     steps = []
     for mode in AGG_MODES:
         metrics = engine.forward_backward(mine, rl_loss(mode))
         metrics.update(engine.optimizer_step())
         steps.append(metrics)
     logp = engine.infer(JaggedBatch.from_sequences(data))["log_probs"]
+    if lora:
+        with engine.adapters_disabled():
+            base["base_after"] = engine.infer(JaggedBatch.from_sequences(data))["log_probs"].numpy()
     weights = {name: t.detach().cpu().numpy() for name, t in engine.export_weights()}
     return {
+        **base,
         "steps": steps,
         "log_probs": logp.numpy(),
         "weights": weights if torch.distributed.get_rank() == 0 else {},
@@ -126,7 +141,7 @@ def run_many(rank: int, world: int, cases: list[tuple[str, str, dict, dict, dict
             elif name.startswith("replay"):  # replay cases carry the rollouts in the micro-batch slot
                 results[name] = replay_passes(rank, world, path, micro, layout)
             else:
-                results[name] = run_layout(path, layout, micro, overrides)
+                results[name] = run_layout(path, layout, micro, overrides, LORA if name.startswith("lora") else None)
     finally:
         teardown()
     return results
@@ -164,6 +179,7 @@ def reference(models):
         ("packing_tp1", models["dense"], {}, {}, {}),
         ("replay", models["near_tie"], {}, models["rollouts"], {}),
         ("dense_kv1", models["kv1"], {}, {"micro_batch_size": 3}, {}),
+        ("lora", models["dense"], {}, {"micro_batch_size": 3}, {}),
     ]
     return launch(run_many, 1, cases, timeout_s=600)[0]
 
@@ -228,6 +244,16 @@ def test_reference_trains_and_infer_equals_hf_log_softmax(reference):
     torch.testing.assert_close(got, torch.cat(ref), atol=1e-5, rtol=1e-5)
 
 
+def test_lora_starts_at_the_base_and_keeps_it_frozen(reference):
+    lora, full = reference["lora"], reference["dense"]
+    assert all(s["update_ok"] for s in lora["steps"])
+    assert abs(lora["steps"][0]["loss"] - full["steps"][0]["loss"]) < 1e-6  # B = 0: step 0 is the base model
+    assert lora["steps"][1]["loss"] != lora["steps"][0]["loss"]
+    assert (lora["log_probs"] != lora["base_before"]).any()  # the adapters trained
+    assert (lora["base_after"] == lora["base_before"]).all()  # adapters off: exactly the untouched base
+    assert lora["weights"].keys() == full["weights"].keys()  # merged export: the base's HF names only
+
+
 def test_packing_tp1_matches_one_sample_per_micro_batch(reference):
     assert_packing_matches(reference["packing_tp1"], "packing tp1")
 
@@ -249,6 +275,9 @@ def test_world2_layouts_match_single_process(models, reference):
          MOE_AUX),
         ("packing_tp2", d, {"tensor_model_parallel_size": 2}, {}, {}),
         ("tp2_compiled", d, {"tensor_model_parallel_size": 2, "compile_fusions": True}, DYNAMIC, {}),
+        ("lora_tp2", d, {"tensor_model_parallel_size": 2}, DYNAMIC, {}),
+        ("lora_tp2_sp", d, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, {"micro_batch_size": 2}, {}),
+        ("lora_pp2", d, {"pipeline_model_parallel_size": 2}, DYNAMIC, {}),
     ]
     results = launch(run_many, 2, cases, timeout_s=900)
     check_all(results, reference, [c[0] for c in cases])
@@ -268,8 +297,10 @@ def check_all(results: list[dict], reference: dict, names: list[str]) -> None:
                     assert_packing_matches(result[name], f"{name} rank {rank}")
                 else:
                     ref = ("moe_aux" if "aux" in name else "moe" if "ep" in name else "dense_kv1" if "kv1" in name
-                           else "dense")
+                           else "lora" if name.startswith("lora") else "dense")
                     assert_matches(result[name], reference[ref], f"{name} rank {rank}")
+                    if name.startswith("lora"):
+                        assert (result[name]["base_after"] == result[name]["base_before"]).all(), name
             except AssertionError as e:
                 failures.append(str(e))
     assert not failures, "\n\n".join(failures)

@@ -10,6 +10,9 @@
   checkpoint saved before the first optimizer step (Adam state not created yet): loaded at TP=1, the first step's
   loss is the TP=2 run's; the TP=2 checkpoint also continues identically at PP=2, and loaded again into an engine
   that has trained since, it restores the LR schedule's step count (not advanced twice) and the same next loss.
+- With actor.lora the checkpoint holds the adapters (B split like a column-parallel weight, A like a row-parallel
+  one) and their Adam state: saved at TP=2 after one step and loaded at TP=1 (DP=2), training continues with the
+  TP=2 run's losses.
 """
 
 from __future__ import annotations
@@ -48,14 +51,15 @@ def loss_fn(outputs, mb, normalizer):
     return agg_loss(-mb["advantages"] * outputs["log_probs"], mb["response_mask"], "token-mean", normalizer), {}
 
 
-def engine(path: str, tp: int, distributed_optimizer: bool = True, pp: int = 1):
-    from mrl.config.schema import MegatronConfig, OptimConfig
+def engine(path: str, tp: int, distributed_optimizer: bool = True, pp: int = 1, lora: bool = False):
+    from mrl.config.schema import LoRAConfig, MegatronConfig, OptimConfig
     from mrl.engine.megatron.engine import MegatronEngine
 
     cfg = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                          use_distributed_optimizer=distributed_optimizer)
     e = MegatronEngine(
-        path, cfg, OptimConfig(lr=1e-3, lr_warmup_steps=0, lr_decay_style="linear"), micro_batch_size=2, total_steps=6
+        path, cfg, OptimConfig(lr=1e-3, lr_warmup_steps=0, lr_decay_style="linear"), micro_batch_size=2, total_steps=6,
+        lora=LoRAConfig(enable=True, rank=4, alpha=8.0) if lora else None,
     )
     e.initialize()
     return e
@@ -131,6 +135,13 @@ def run(rank: int, world: int, path: str, ckpt_dir: str) -> dict:
         pp2 = engine(path, 1, pp=2)
         pp2.load_checkpoint(f"{ckpt_dir}/dist_tp2_step1")
         out["dist_reshard"]["pp2"] = [step(pp2), step(pp2)]
+        lora2 = engine(path, 2, lora=True)
+        first = step(lora2)
+        lora2.save_checkpoint(f"{ckpt_dir}/lora_tp2_step1")
+        lora_losses = [first, step(lora2), step(lora2)]
+        lora1 = engine(path, 1, lora=True)
+        lora1.load_checkpoint(f"{ckpt_dir}/lora_tp2_step1")
+        out["lora_reshard"] = {"tp2": lora_losses, "tp1": [step(lora1), step(lora1)]}
     finally:
         teardown()
     return out
@@ -156,3 +167,6 @@ def test_offload_round_trip_and_checkpoint_resharding(tmp_path):
         assert all(abs(a - b) < 1e-5 for a, b in zip(dist["pp2"], dist["tp2"][1:])), dist
         assert dist["reloaded"][0] == 1 and abs(dist["reloaded"][1] - dist["tp2"][1]) < 1e-5, dist
         assert abs(dist["from_step0"][0] - dist["tp2"][0]) < 1e-5, dist
+        lora = r["lora_reshard"]
+        assert len(set(lora["tp2"])) == 3 and lora["tp2"] != dist["tp2"], lora
+        assert all(abs(a - b) < 1e-5 for a, b in zip(lora["tp1"], lora["tp2"][1:])), lora

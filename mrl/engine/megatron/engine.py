@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mrl.algo.aggregation import LossNormalizer, loss_counts
-from mrl.config.schema import ActorConfig, MegatronConfig, OptimConfig
+from mrl.config.schema import ActorConfig, LoRAConfig, MegatronConfig, OptimConfig
 from mrl.engine.base import BaseEngine, LossFn
 from mrl.engine.megatron import logprob
 from mrl.engine.megatron.packing import (
@@ -59,6 +59,7 @@ class MegatronEngine(BaseEngine):
         total_steps: int = 1,
         seed: int = 1234,
         bridge_backend: str = "mrl",
+        lora: LoRAConfig | None = None,
     ) -> None:
         if micro_batch_size is None and max_tokens_per_micro_batch is None:
             raise ValueError("set micro_batch_size or max_tokens_per_micro_batch")
@@ -91,6 +92,9 @@ class MegatronEngine(BaseEngine):
         self.optimizer: Any = None
         self.scheduler: Any = None
         self._offloaders: dict[str, Any] = {}
+        # actor.lora when enabled: adapters on the frozen base (mrl/engine/megatron/lora.py)
+        self.lora = lora if lora is not None and lora.enable else None
+        self.adapters: list[Any] = []
 
     @classmethod
     def from_actor_config(cls, model_path: str, actor: ActorConfig, *, total_steps: int = 1) -> MegatronEngine:
@@ -99,7 +103,7 @@ class MegatronEngine(BaseEngine):
             micro = {"micro_batch_size": None, "max_tokens_per_micro_batch": actor.ppo_max_token_len_per_gpu}
         else:
             micro = {"micro_batch_size": actor.ppo_micro_batch_size_per_gpu or 1}
-        return cls(model_path, actor.megatron, actor.optim, total_steps=total_steps, **micro)
+        return cls(model_path, actor.megatron, actor.optim, total_steps=total_steps, lora=actor.lora, **micro)
 
     # ---- construction ---------------------------------------------------------------------------------------
     def initialize(self) -> None:
@@ -129,6 +133,11 @@ class MegatronEngine(BaseEngine):
         compile_norms(chunks, self.compiled_kernels)
         self.bridge.load_hf(chunks, self.model_path)
         self._prepare_chunks(chunks)
+        if self.lora is not None:
+            from mrl.engine.megatron import lora
+
+            # Before DDP and the optimizer: both skip requires_grad=False parameters (no grad buffer, no state).
+            self.adapters = lora.apply(chunks, self.lora)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
@@ -454,6 +463,14 @@ class MegatronEngine(BaseEngine):
     def _output_keys(self, entropy: bool) -> list[str]:
         return ["log_probs", "entropy"] if entropy else ["log_probs"]
 
+    def adapters_disabled(self) -> Any:
+        """Context: the base model without its LoRA adapters (the reference policy of a LoRA run)."""
+        from mrl.engine.megatron import lora
+
+        if not self.adapters:
+            raise RuntimeError("adapters_disabled: this engine has no LoRA adapters (actor.lora.enable=false)")
+        return lora.disabled(self.adapters)
+
     # ---- the rest of the contract ---------------------------------------------------------------------------
     def unwrapped(self) -> list[torch.nn.Module]:
         return [chunk.module for chunk in self.model]
@@ -485,6 +502,10 @@ class MegatronEngine(BaseEngine):
         from mrl.engine.megatron import checkpoint
 
         checkpoint.save(path, self.unwrapped(), self.optimizer, self.scheduler)
+        if self.lora is not None and dist.get_rank() == 0:
+            from mrl.engine.megatron import lora
+
+            lora.write_settings(path, self.lora)  # `mrl convert to-hf` rebuilds the adapters from it
 
     def load_checkpoint(self, path: str) -> None:
         from mrl.engine.megatron import checkpoint
