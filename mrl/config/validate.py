@@ -516,8 +516,7 @@ def _prefill_decode(cfg: DictConfig, _: bool) -> Iterator[Violation]:
     from mrl.rollout.pd import PDSpec
 
     try:
-        PDSpec(pd.prefill_tp, pd.decode_tp, pd.n_decode, transfer_backend=pd.transfer_backend).check(
-            _get(cfg, "rollout.name"))
+        PDSpec.from_config(pd).check(_get(cfg, "rollout.name"))
     except ValueError as error:  # its messages begin with the setting at fault
         found = re.match(r"rollout\.[\w.]+", str(error))
         setting = found.group() if found else "rollout.pd.enabled"

@@ -83,7 +83,7 @@ def sync_per_device(manager: Any, stream: Iterable[tuple], version: int, bucket_
     workers on this rank's slot, stamped `version`. Returns this rank's `SentBytes.metrics()` (rank 0 adds
     "replica_tensors": tensors loaded per replica)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    registered = [manager._call(manager.balancer.record_weights.remote(version, None)) if rank == 0 else None]
+    registered = [manager.servers_for_transport_sync(version) if rank == 0 else None]
     dist.broadcast_object_list(registered, src=0)  # every rank acts on rank 0's one view of the pool
     handles: dict[str, Any] = registered[0]  # type: ignore[assignment]
     routes = workers_on_slots(handles, manager.replica_devices)

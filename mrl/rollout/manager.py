@@ -372,7 +372,7 @@ class LLMServerManager:
             raise ValueError(f"weight_sync.transport={transport} with rollout.data_parallel_size={fp.dp}: the "
                              "transports reach TP×PP workers of one engine; use more replicas instead of DP")
         per = self.replica_devices  # receivers per replica (a PD replica's members in slot order): the full stream
-        handles = self._call(self.balancer.record_weights.remote(version, None))
+        handles = self.servers_for_transport_sync(version)
         serves = (transport, tuple(handles), per, bucket_bytes, timeout_s, tuple(sorted(sender_kwargs.items())))
         sender = self._sync_sender(serves, lambda: make_sender(
             transport, 1 + per * len(handles), bucket_bytes, timeout_s, **sender_kwargs))
@@ -390,6 +390,11 @@ class LLMServerManager:
             sender.finalize(wait=False)  # tears the group down on both sides: the next sync builds a new one
             raise
         return counts
+
+    def servers_for_transport_sync(self, version: int) -> dict[str, Any]:
+        """Record `version` as the newest weights, with no copy kept (a transport sends them once), and return the
+        servers to push them to (registered and pending)."""
+        return self._call(self.balancer.record_weights.remote(version, None))
 
     def _sync_sender(self, serves: tuple, make: Callable[[], WeightSender]) -> WeightSender:
         """The last sync's sender if it kept its group for the same replicas and settings (`serves`; a restarted

@@ -61,6 +61,11 @@ class PDSpec:
     nnodes: int = 1
     transfer_backend: str = "nixl"
 
+    @classmethod
+    def from_config(cls, pd: Any) -> PDSpec:
+        """From `rollout.pd` (mrl/config/schema.py PDConfig)."""
+        return cls(pd.prefill_tp, pd.decode_tp, pd.n_decode, transfer_backend=pd.transfer_backend)
+
     @property
     def devices(self) -> int:
         return self.prefill_tp * self.n_prefill + self.decode_tp * self.n_decode

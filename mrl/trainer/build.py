@@ -120,8 +120,7 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
     # start: import, weight load, CUDA graphs), then the training workers (process start, Megatron build, weight
     # load), the agent-loop workers and the sample store (before: one after another; docs/gpu.md, "Start-up").
     pd = c.rollout.pd
-    pd_spec = PDSpec(pd.prefill_tp, pd.decode_tp, pd.n_decode, transfer_backend=pd.transfer_backend) \
-        if pd.enabled else None
+    pd_spec = PDSpec.from_config(pd) if pd.enabled else None
     rollout = LLMServerManager.create(spec, c.rollout.mode, pool=pool if hybrid else None,
                                       num_devices=placement.devices, policy=policy, wait=False, pd=pd_spec,
                                       pd_base_port=pd.base_port)
