@@ -3,7 +3,8 @@
 # tests, then tools/bench/e2e_gpu.py, each stage under its own time limit, logs in DIR (default /tmp/mrl_gpu).
 # Stages run in the order that finds defects soonest; a failing stage does not stop the next.
 # Usage: bash tools/gpu_check.sh [DIR] [STAGE ...]   (stages: sleep learn bench05 peak async bench15 engine;
-# also, when named: genlayers, the generation gap layer by layer at the 1.5B shape, tools/bench/gen_overhead.py)
+# also, when named: genlayers, the generation gap layer by layer at the 1.5B shape, tools/bench/gen_overhead.py;
+# corr and lora, tools/bench/variants_gpu.py's presets)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 DIR="${1:-/tmp/mrl_gpu}"; shift || true
@@ -18,9 +19,11 @@ declare -A CMD=(
   [async]="python3 -m pytest $T/test_colocate_async_on_one_gpu_stays_within_its_staleness_bound.py -q -s --timeout=400"
   [bench15]="python3 tools/bench/e2e_gpu.py --shapes 1.5b --json $DIR/e2e_1.5b.json"
   [genlayers]="python3 tools/bench/gen_overhead.py --shape 1.5b --dtype bfloat16 --response-length 1024 --agent-workers 1 4 --num-cpus 16"
+  [corr]="python3 tools/bench/variants_gpu.py --preset correction --enforce-eager --json $DIR/corr.json"
+  [lora]="python3 tools/bench/variants_gpu.py --preset lora --json $DIR/lora.json"
   [engine]="python3 -m pytest $T/test_bridge_export_matches_hf_on_cuda.py $T/test_engine_sdpa_attention_loss_matches_local_spec_on_cuda.py $T/test_engine_tp1_on_gpu_matches_hf.py $T/test_weight_sync_cuda_ipc_delivers_bit_identical_stream.py -q --timeout=300"
 )
-declare -A LIMIT=([sleep]=300 [learn]=600 [bench05]=480 [peak]=600 [async]=400 [bench15]=600 [engine]=300 [genlayers]=600)
+declare -A LIMIT=([sleep]=300 [learn]=600 [bench05]=480 [peak]=600 [async]=400 [bench15]=600 [engine]=300 [genlayers]=600 [corr]=420 [lora]=420)
 STAGES=("$@"); [[ ${#STAGES[@]} == 0 ]] && STAGES=(sleep learn bench05 peak async bench15 engine)
 for stage in "${STAGES[@]}"; do
   start=$(date +%s)

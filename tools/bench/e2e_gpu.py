@@ -31,6 +31,7 @@ REWARD_FN = "mrl.data.synthetic:exact_match_reward"
 SYNC_PARTS = ("sync/wake_weights", "sync/update", "sync/offload", "sync/wake_kv_cache")
 HANDOVER = ("handover/sleep", "handover/onload")
 COMPUTE = ("gen", "old_log_prob", "update_actor")
+KEPT = ("timing_s/", "perf/", "memory/", "rollout/", "rollout_corr/", "weight_sync/", "actor/")
 SMOKE = dict(vocab_size=512)  # `--shapes smoke`: the tiny default shape, to try the benchmark on a CPU
 
 
@@ -81,7 +82,7 @@ def run_mrl(cfg: Any) -> dict[str, Any]:
         history = trainer.fit()
     finally:
         shutdown(trainer)
-    keys = {k for h in history for k in h if k.startswith(("timing_s/", "perf/", "memory/", "rollout/"))}
+    keys = {k for h in history for k in h if k.startswith(KEPT)}
     return {"startup_s": startup, "median": {k: median(history, k) for k in sorted(keys)}, "history": history}
 
 
