@@ -70,3 +70,11 @@ def test_folders_keep_only_the_newest_version(tmp_path):
     default = lora_peft.AdapterFolders().root
     os.rmdir(default)
     assert default.startswith("/dev/shm/mrl-lora-")  # tmpfs: a sync writes no disk
+
+
+def test_convert_peft_needs_a_lora_checkpoint(tmp_path):
+    from mrl.tools.convert import ToHF, check_steps
+
+    with pytest.raises(ConfigError) as err:
+        check_steps([ToHF(str(tmp_path), str(tmp_path / "out"), peft=str(tmp_path / "peft"))])
+    assert any(v.setting == "--peft" and "lora.json" in v.rule for v in err.value.violations), err.value
