@@ -67,6 +67,7 @@ def test_folders_keep_only_the_newest_version(tmp_path):
         os.makedirs(path)
         folders.replace(path)
     assert sorted(os.listdir(tmp_path)) == ["v3"]
+    assert lora_peft.AdapterFolders("rel").path(4) == os.path.join(os.getcwd(), "rel", "v4")
     default = lora_peft.AdapterFolders().root
     os.rmdir(default)
     assert default.startswith("/dev/shm/mrl-lora-")  # tmpfs: a sync writes no disk

@@ -91,7 +91,8 @@ class AdapterFolders:
 
     def __init__(self, root: str = "") -> None:
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        self.root = root or tempfile.mkdtemp(prefix="mrl-lora-", dir=shm)
+        # absolute: the engines resolve it in their own processes, whose working directory may differ
+        self.root = os.path.abspath(root) if root else tempfile.mkdtemp(prefix="mrl-lora-", dir=shm)
         self.current: str | None = None
 
     def path(self, version: int) -> str:
