@@ -7,6 +7,9 @@ replicas, the load balancer, clients) is backend-agnostic and lives in `mrl/roll
 Version contract: `update_weights(stream, version)` aborts whatever is running (those requests return with
 stop_reason "aborted" and the tokens produced so far), loads the new weights, resets the prefix cache and
 stores `version`; every TokenOutput carries the version of the weights that produced its tokens.
+`load_lora_adapter(path, version)` is the same sequence for an adapter-only update: the engine keeps its base
+weights, drops the previous adapter and loads the PEFT folder at `path`; from then on every generate call names
+that adapter (`lora_name`) unless it names another one itself.
 
 Pause contract: `abort_all()` aborts in-flight requests *and* closes admission; requests submitted afterwards
 wait inside the adapter until `resume_generation()`. That is what lets a partial-rollout client retry at once
@@ -143,10 +146,14 @@ class RolloutAdapter(ABC):
         self._running: dict[str, asyncio.Future] = {}
         self._waiting = 0  # requests parked while admission is closed
         self.events: collections.deque[str] = collections.deque(maxlen=1000)  # recent control calls, in order
+        self.lora_name: str | None = None  # the loaded LoRA adapter generate calls name by default (None: base)
 
     # ---- generation -------------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any]) -> TokenOutput:
+    async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any],
+                       lora_name: str | None = None) -> TokenOutput:
+        """`lora_name`: the loaded LoRA adapter to sample with (None: the current one, `self.lora_name`)."""
         params = normalize_sampling(sampling_params)
+        lora = lora_name or self.lora_name
         budget = token_budget(len(prompt_ids), params["max_tokens"], self.max_model_len)
         self._waiting += 1
         try:
@@ -162,7 +169,9 @@ class RolloutAdapter(ABC):
         self._running[rid] = done
         try:
             # A backend may add a fourth item: what TokenOutput.extra carries (e.g. `routed_experts`).
-            ids, lps, reason, *extra = await self._generate(rid, list(prompt_ids), params, budget)
+            # Only an adapter-serving backend gets the keyword: the others keep their signature.
+            lora_kw = {"lora_name": lora} if lora is not None else {}
+            ids, lps, reason, *extra = await self._generate(rid, list(prompt_ids), params, budget, **lora_kw)
         finally:
             self._running.pop(rid, None)
             done.set_result(None)
@@ -211,6 +220,11 @@ class RolloutAdapter(ABC):
         this engine's workers join the sender's group as ranks `rank`, `rank` + 1, …; or, given a list (a
         per-device sync, mrl/rollout/device_sync.py), worker i joins group `spec[i][0]` as rank `spec[i][1]`."""
         return await self._update(lambda: self._receive_weights(spec, rank), version)
+
+    async def load_lora_adapter(self, path: str, version: int) -> int:
+        """Serve the PEFT adapter folder at `path` on the base weights, stamped `version` (the previous adapter is
+        dropped); returns the adapter's tensors. Named `v<version>`."""
+        return await self._update(lambda: self._load_lora(path, f"v{int(version)}"), version)
 
     async def _update(self, load: Any, version: int) -> int:
         self.sleep_state.require_awake("weights", "update weights")
@@ -298,6 +312,11 @@ class RolloutAdapter(ABC):
             f"weight_sync.transport={spec['transport']}: the {self.backend!r} rollout backend has no weight-sync "
             "receiver yet (vllm, hf, sglang and trtllm have one)"
         )
+
+    async def _load_lora(self, path: str, name: str) -> int:
+        """Replace the engine's LoRA adapter by the PEFT folder `path` named `name`; set `self.lora_name`."""
+        raise NotImplementedError(f"actor.lora.sync=adapter: the {self.backend!r} rollout backend cannot load "
+                                  "LoRA adapters (vllm can); use actor.lora.sync=merged")
 
     async def _reopen(self) -> None:
         return None

@@ -160,6 +160,14 @@ class LoRAConfig:
     target_modules: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
     # Seed of the adapters' A initialisation (Kaiming-uniform, as PEFT); B starts at zero, so step 0 is the base.
     init_seed: int = 0
+    # How a weight sync reaches the engines: `merged` sends W + (alpha / rank)·B A through weight_sync (every
+    # backend, transport and layout; generation runs at base-model speed); `adapter` writes only A and B as an HF
+    # PEFT folder per version and loads it through vLLM's LoRA support (megabytes per sync instead of the whole
+    # model, but each generated token pays the LoRA kernels): rollout.name=vllm only.
+    sync: str = "merged"
+    # Folder of the adapter-mode PEFT folders (one per version, the previous one deleted); empty: a fresh folder
+    # under /dev/shm (tmpfs). Every rollout server must see it: one node.
+    adapter_dir: str = ""
 
 
 @dataclass

@@ -671,5 +671,35 @@ def _lora(cfg: DictConfig, _: bool) -> Iterator[Violation]:
                         "LoRA merges its adapters in mrl's bridge export: set model.bridge_backend=mrl")
 
 
+@rule
+def _lora_sync(cfg: DictConfig, _: bool) -> Iterator[Violation]:
+    """actor.lora.sync=adapter: what vLLM's LoRA support serves (mrl/engine/megatron/lora_peft.py)."""
+    from mrl.engine.megatron.lora_peft import SYNC_MODES
+    from rollout_adapters.vllm.adapter import VLLM_LORA_RANKS
+
+    yield from _one_of(cfg, "actor.lora.sync", SYNC_MODES)
+    sync = _get(cfg, "actor.lora.sync")
+    if sync != "adapter" or not _get(cfg, "actor.lora.enable"):
+        return
+    setting = "actor.lora.sync"
+    if _get(cfg, "rollout.name") != "vllm":
+        yield Violation(setting, sync, f"adapter-only sync loads a PEFT adapter through vLLM's LoRA support: needs "
+                                       f"rollout.name=vllm (got {_get(cfg, 'rollout.name')}); use sync=merged")
+    if _get(cfg, "actor.lora.rank") > max(VLLM_LORA_RANKS):
+        yield Violation("actor.lora.rank", _get(cfg, "actor.lora.rank"),
+                        f"vLLM serves LoRA ranks up to {max(VLLM_LORA_RANKS)}; use actor.lora.sync=merged")
+    if _get(cfg, "rollout.pd.enabled"):
+        yield Violation(setting, sync, "PD replicas are not given adapters (untested): use sync=merged")
+    if _get(cfg, "rollout.data_parallel_size") != 1:
+        yield Violation(setting, sync, "an engine with data parallelism is not given adapters (untested): set "
+                                       "rollout.data_parallel_size=1 (more replicas instead) or sync=merged")
+    if _get(cfg, "rollout.mode") == "hybrid" and _get(cfg, "rollout.sleep_level") == 2:
+        yield Violation("rollout.sleep_level", 2, "adapter-only sync keeps the engine's base weights: a hybrid "
+                                                  "replica must sleep at level 1 (level 2 discards them)")
+    if max(_get(cfg, "resources.nnodes"), _get(cfg, "rollout.nnodes")) > 1:
+        yield Violation(setting, sync, "the adapter folder (actor.lora.adapter_dir) is written on the trainer's "
+                                       "node and read by every server: one node only; use sync=merged")
+
+
 # Rules on single fields, keys and what lies beside the config register themselves on import.
 from mrl.config import field_rules  # noqa: E402, F401

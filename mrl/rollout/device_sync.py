@@ -129,13 +129,15 @@ def sync_per_device(manager: Any, stream: Iterable[tuple], version: int, bucket_
 
 
 def device_sync_metrics(per_rank: list[dict[str, Any]]) -> dict[str, float]:
-    """Step metrics from every rank's `sync_per_device` result: bytes sent per device (the busiest one) and in
-    all, split into TP slices and whole tensors."""
+    """Step metrics from every rank's sync result (per device, rank 0's stream, or the adapters): bytes sent per
+    device (the busiest one) and in all, split into TP slices and whole tensors, and tensors sent."""
     ranks = [r for r in per_rank if isinstance(r, dict) and "bytes_whole" in r]
     if not ranks:
         return {}
     per_device = [r["bytes_sliced"] + r["bytes_whole"] for r in ranks]
     return {"weight_sync/device_bytes_max": float(max(per_device)),
+            "weight_sync/bytes_total": float(sum(per_device)),
+            "weight_sync/tensors": float(sum(r["tensors"] for r in ranks)),
             "weight_sync/bytes_sliced": float(sum(r["bytes_sliced"] for r in ranks)),
             "weight_sync/bytes_whole": float(sum(r["bytes_whole"] for r in ranks)),
             "weight_sync/senders": float(sum(bool(r["receivers"]) for r in ranks))}

@@ -391,6 +391,12 @@ class LLMServerManager:
             raise
         return counts
 
+    def load_lora_adapter(self, path: str, version: int) -> list[int]:
+        """Every registered replica serves the PEFT adapter folder `path` (on one node's disk) from now on, stamped
+        `version`; no copy is kept: a restarted replica waits for the next sync, as after a transport sync."""
+        handles = self.servers_for_transport_sync(version)
+        return list(self._fan_out("load_lora_adapter", handles, path, version).values())
+
     def servers_for_transport_sync(self, version: int) -> dict[str, Any]:
         """Record `version` as the newest weights, with no copy kept (a transport sends them once), and return the
         servers to push them to (registered and pending)."""

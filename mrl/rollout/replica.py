@@ -92,6 +92,8 @@ class ReplicaSpec:
     allow_remote_access: bool = False
     # Return each request's routed experts (TokenOutput.extra["routed_experts"]): router replay R3.
     return_routed_experts: bool = False
+    # Serve LoRA adapters up to this rank (actor.lora.sync=adapter); None: the engine starts without LoRA.
+    lora_rank: int | None = None
 
     def server_env(self) -> dict[str, str]:
         """Environment of the server process: the defaults, the engine's listening address, then `env`."""
@@ -120,6 +122,7 @@ class ReplicaSpec:
             "allow_remote_access": self.allow_remote_access,
             # Only when asked: backends without the capability refuse the setting by name.
             **({"return_routed_experts": True} if self.return_routed_experts else {}),
+            **({"lora_rank": self.lora_rank} if self.lora_rank is not None else {}),
         }
 
 
@@ -207,6 +210,9 @@ class RolloutReplica:
 
     def update_weights(self, bucket_refs: list[ray.ObjectRef], version: int) -> ray.ObjectRef:
         return self.server.update_weights.remote(bucket_refs, version)
+
+    def load_lora_adapter(self, path: str, version: int) -> ray.ObjectRef:
+        return self.server.load_lora_adapter.remote(path, version)
 
     def abort_all(self) -> ray.ObjectRef:
         return self.server.abort_all.remote()

@@ -97,6 +97,10 @@ class RolloutServer:
                 report_failure(each, each_rank, error)
             raise
 
+    async def load_lora_adapter(self, path: str, version: int) -> int:
+        """Serve the PEFT adapter folder `path` on the base weights from now on, stamped `version`."""
+        return await self.adapter.load_lora_adapter(path, version)
+
     async def abort_all(self) -> int:
         return await self.adapter.abort_all()
 

@@ -1,7 +1,7 @@
 """`mrl convert`: HF ⇄ Megatron dist-checkpoint at any TP/PP/EP, and RL (engine) checkpoints → HF for serving.
 
     mrl convert to-megatron HF_DIR OUT_DIR --tp 2 --pp 1 --ep 1
-    mrl convert to-hf CKPT_DIR OUT_DIR [--hf-config HF_DIR] [--tp 1 ...]
+    mrl convert to-hf CKPT_DIR OUT_DIR [--hf-config HF_DIR] [--peft PEFT_DIR] [--tp 1 ...]
 
 Both directions run the bridge of the model's family (bridges/) inside N local processes that form one
 torch.distributed world (gloo on CPU, NCCL on GPU; mrl/utils/distributed.py), N = PP × lcm(TP, EP × expert-TP):
@@ -13,7 +13,8 @@ A Megatron checkpoint written here carries `hf_config/` (the HF config and token
 `mrl_convert.json` (layout and dtype), so `to-hf` needs no other input. An RL checkpoint written by the engine
 (`save_checkpoint`: model, optimizer, LR schedule) has neither: pass `--hf-config` (the run's model.path) and the
 layout it was saved with when it used virtual pipeline stages; only the model weights are read. A LoRA run's
-checkpoint (`lora.json` beside it) exports the merged model: base + (alpha / rank)·B·A in every adapted weight.
+checkpoint (`lora.json` beside it) exports the merged model: base + (alpha / rank)·B·A in every adapted weight;
+with `--peft` also the adapters alone as an HF PEFT folder (what actor.lora.sync=adapter hands vLLM).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class ToHF:
     layout: Layout = field(default_factory=Layout)
     hf_config: str | None = None  # None: <checkpoint>/hf_config
     dtype: str | None = None  # None: the recorded dtype, else the HF config's
+    peft: str | None = None  # a LoRA run's checkpoint: also write its adapters as an HF PEFT folder here
 
 
 def _torch_dtype(name: str | None, hf_config: Any) -> Any:
@@ -114,6 +116,12 @@ def to_hf(step: ToHF) -> None:
         lora.apply(chunks, settings)
     checkpoint.load(step.checkpoint, chunks)
     bridge.save_hf(chunks, step.out, source=hf_config, dtype=dtype)
+    if step.peft and settings is not None:  # check_steps refuses --peft without adapters
+        from mrl.engine.megatron import lora_peft
+
+        tensors = lora_peft.gather_tensors(bridge, chunks)
+        if tensors:  # rank 0
+            lora_peft.write_folder(step.peft, tensors, settings, os.path.abspath(hf_config))
 
 
 def run_steps(rank: int, world_size: int, steps: list[ToMegatron | ToHF]) -> None:
@@ -166,6 +174,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hf.add_argument("checkpoint", help="dist-checkpoint folder")
     hf.add_argument("out", help="output HF folder")
     hf.add_argument("--hf-config", default=None, help="HF folder with the model's config.json and tokenizer")
+    hf.add_argument("--peft", default=None, help="also write a LoRA run's adapters as a PEFT folder here")
     _layout_args(hf)
 
 
@@ -175,7 +184,7 @@ def steps_from_args(args: argparse.Namespace) -> list[ToMegatron | ToHF]:
     layout = Layout(**{**recorded, **given})
     if args.direction == "to-megatron":
         return [ToMegatron(args.hf, args.out, layout, args.dtype)]
-    return [ToHF(args.checkpoint, args.out, layout, args.hf_config, args.dtype)]
+    return [ToHF(args.checkpoint, args.out, layout, args.hf_config, args.dtype, args.peft)]
 
 
 def check_steps(steps: list[ToMegatron | ToHF]) -> None:
@@ -192,6 +201,9 @@ def check_steps(steps: list[ToMegatron | ToHF]) -> None:
                          else ("--hf-config", step.hf_config or str(Path(step.checkpoint) / HF_CONFIG_DIR)))
         if isinstance(step, ToHF) and not Path(step.checkpoint).is_dir():
             problems.append(Violation("checkpoint", step.checkpoint, "no such folder"))
+        elif isinstance(step, ToHF) and step.peft and not (Path(step.checkpoint) / "lora.json").is_file():
+            problems.append(Violation("--peft", step.peft, "the checkpoint has no lora.json: only a LoRA run's "
+                                                           "checkpoint holds adapters"))
         config = Path(where) / "config.json"
         if not config.is_file():
             problems.append(Violation(source, where, "no config.json there: pass the run's HF model folder"

@@ -139,6 +139,7 @@ def perf_metrics(lengths: Sequence[int], seconds: dict[str, float], memory: list
     every worker's `memory_stats()`."""
     out = throughput_metrics(lengths, seconds["step"], run_devices)
     out.update(memory_metrics(memory))
+    out.update(state_metrics(memory))
     peak = peak_flops(memory[0]["device"], peak_tflops) if memory else None
     if flops is not None and peak is not None:
         out.update(mfu_metrics(flops, lengths, seconds, peak, trainer_devices=trainer_devices,
@@ -161,6 +162,17 @@ def memory_metrics(per_rank: list[dict[str, Any]]) -> dict[str, float]:
             key = f"memory/{rank['kind']}_gib/{phase}"
             out[key] = max(out.get(key, 0.0), nbytes / 2**30)
     return out
+
+
+def state_metrics(per_rank: list[dict[str, Any]]) -> dict[str, float]:
+    """The actor's optimizer state (the largest rank's and all ranks' GiB) and trainable parameters (the model's),
+    from the ranks' `memory_stats()` that carry them (LoRA vs full fine-tuning: the state shrinks with them)."""
+    ranks = [r for r in per_rank if "optimizer_state_bytes" in r]
+    if not ranks:
+        return {}
+    state = [r["optimizer_state_bytes"] / 2**30 for r in ranks]
+    return {"memory/optimizer_state_gib": max(state), "memory/optimizer_state_gib_total": sum(state),
+            "actor/trainable_params": float(sum(r["trainable_params"] for r in ranks))}
 
 
 def staleness_metrics(trajectories: list[dict[str, Any]], trainer_version: int) -> dict[str, float]:

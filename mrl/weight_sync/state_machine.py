@@ -35,9 +35,11 @@ class SyncReport:
     version: int
     aborted: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
+    sent: dict[str, float] = field(default_factory=dict)  # bytes and tensors moved (device_sync_metrics)
 
     def metrics(self) -> dict[str, float]:
         out = {f"weight_sync/{stage}_s": s for stage, s in self.seconds.items()}
+        out.update(self.sent)
         out["weight_sync/total_s"] = sum(self.seconds.values())
         out["weight_sync/aborted_requests"] = float(self.aborted)
         return out
@@ -59,7 +61,11 @@ class StandaloneWeightSync:
         with self._stage(report, "release_kv"):
             self.rollout.release_kv_cache()
         with self._stage(report, "update_weights"):
-            self.update_weights(version)
+            result = self.update_weights(version)
+        if isinstance(result, list):  # the actor's per-rank results (a test's stand-in may return None)
+            from mrl.rollout.device_sync import device_sync_metrics
+
+            report.sent = device_sync_metrics(result)
         with self._stage(report, "finalize"):
             self.finalize(version)
         with self._stage(report, "resume_kv"):

@@ -93,6 +93,7 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
         self.actor: TrainingWorker | None = None
         self.ref: TrainingWorker | None = None
         self.rollout: Any = None
+        self._adapter_folders: Any = None  # actor.lora.sync=adapter: the PEFT folders per version (rank 0)
         loss_config = actor_loss_config(config.actor, config.algorithm)
         self.correction = loss_config.rollout_correction
         self.loss_fn = make_actor_loss_fn(loss_config)
@@ -273,7 +274,9 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
         bytes as slices and whole; rank 0: tensors loaded per replica).
         """
         assert self.actor is not None, "init_model first"
-        ws = self.config.weight_sync
+        ws, lora = self.config.weight_sync, self.config.actor.lora
+        if lora.enable and lora.sync == "adapter":
+            return self._sync_adapter(global_steps)
         if ws.transport == "ipc" and self.rollout is not None:
             from mrl.rollout.device_sync import sync_per_device, tp_slices_pair
 
@@ -284,17 +287,40 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
                                    ws.bucket_size_mb << 20, ws.timeout_s, **ws.sender_kwargs())
         stream = self.actor.engine.export_weights()
         if self.rank == 0 and self.rollout is not None:
-            counts = self.rollout.update_weights(stream, global_steps, ws.bucket_size_mb << 20,
+            from mrl.rollout.device_sync import SentBytes
+
+            sent = SentBytes(receivers=["rollout"])
+            counts = self.rollout.update_weights(sent.count(stream), global_steps, ws.bucket_size_mb << 20,
                                                  transport=ws.transport, timeout_s=ws.timeout_s, **ws.sender_kwargs())
-            return {"replica_tensors": counts}
+            return {**sent.metrics(), "replica_tensors": counts}
         for _ in stream:
             pass
         return {}
 
+    def _sync_adapter(self, version: int) -> dict[str, Any]:
+        """actor.lora.sync=adapter: every rank joins the adapters' gather; rank 0 writes them as a PEFT folder
+        (version-stamped, on tmpfs) and has every replica load it, then deletes the previous version's folder."""
+        from mrl.engine.megatron import lora_peft
+        from mrl.rollout.device_sync import SentBytes
+
+        engine = self.actor.engine  # type: ignore[union-attr]
+        tensors = lora_peft.gather_tensors(engine.bridge, engine.unwrapped())
+        if self.rank != 0 or self.rollout is None:
+            return {}
+        if self._adapter_folders is None:
+            self._adapter_folders = lora_peft.AdapterFolders(self.config.actor.lora.adapter_dir)
+        path = self._adapter_folders.path(version)
+        nbytes = lora_peft.write_folder(path, tensors, self.config.actor.lora, self.config.model.path)
+        counts = self.rollout.load_lora_adapter(path, version)
+        self._adapter_folders.replace(path)
+        return {**SentBytes(len(tensors), 0, nbytes, ["rollout"]).metrics(), "replica_tensors": counts}
+
     @register(Dispatch.ONE_TO_ALL)
     def memory_stats(self) -> dict[str, Any]:
-        """Peak memory of each tracked phase since the last call (mrl/utils/phase_memory.py)."""
-        return phase_memory(self).take()
+        """Peak memory of each tracked phase since the last call (mrl/utils/phase_memory.py), and the actor's
+        optimizer-state bytes and trainable parameters on this rank."""
+        sizes = self.actor.engine.state_sizes() if self.actor is not None else {}  # type: ignore[union-attr]
+        return {**phase_memory(self).take(), **sizes}
 
     def training_roles(self) -> list[tuple[TrainingWorker, Any]]:
         roles = [(self.actor, self.config.actor.megatron), (self.ref, self.config.ref.megatron)]

@@ -17,6 +17,13 @@ from rollout_adapters.fields import refuse_shadowing
 WORKER_EXTENSION = "rollout_adapters.vllm.worker_extension.WeightReceiverExtension"
 UNIPROC_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
 _STOP_REASONS: dict[str | None, StopReason] = {"stop": "stop", "length": "length", "abort": "aborted"}
+# The max_lora_rank values vLLM accepts (vllm/config/lora.py MaxLoRARanks, the same in 0.25 and 0.32).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def engine_lora_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds `rank`."""
+    return next(r for r in VLLM_LORA_RANKS if r >= rank)
 
 
 def to_vllm_sampling(params: dict[str, Any], budget: int):
@@ -67,6 +74,7 @@ class VLLMAdapter(RolloutAdapter):
         enforce_eager: bool | None = None,
         host: str = "127.0.0.1",
         allow_remote_access: bool = False,
+        lora_rank: int | None = None,
     ) -> None:
         super().__init__(max_model_len)
         import torch
@@ -113,6 +121,10 @@ class VLLMAdapter(RolloutAdapter):
             **{k: v for k, v in settings.items() if v is not None},
             **engine_kwargs,
         )
+        if lora_rank is not None:
+            # Adapter-only sync (actor.lora.sync=adapter): one adapter at a time, replaced each version.
+            self.engine_args.update(enable_lora=True, max_lora_rank=engine_lora_rank(lora_rank), max_loras=1)
+        self._lora: Any = None  # the LoRARequest of the loaded adapter
         self.engine = None
         # Requests admitted but not yet queued in the engine core; a pause waits until there are none, so it aborts
         # every request the adapter admitted instead of parking it. A lock held around each add_request did the
@@ -129,17 +141,26 @@ class VLLMAdapter(RolloutAdapter):
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
 
     async def _generate(
-        self, request_id: str, prompt_ids: list[int], params: dict[str, Any], budget: int
+        self, request_id: str, prompt_ids: list[int], params: dict[str, Any], budget: int,
+        lora_name: str | None = None,
     ) -> tuple[list[int], list[float], StopReason]:
-        return sample_result(await self._run(request_id, prompt_ids, to_vllm_sampling(params, budget)))
+        lora = None
+        if lora_name is not None:
+            if self._lora is None or self._lora.lora_name != lora_name:
+                loaded = self._lora.lora_name if self._lora is not None else None
+                raise ValueError(f"LoRA adapter {lora_name!r} is not loaded (loaded: {loaded!r})")
+            lora = self._lora
+        return sample_result(await self._run(request_id, prompt_ids, to_vllm_sampling(params, budget), lora))
 
-    async def _run(self, request_id: str, prompt_ids: list[int], sampling: Any) -> Any:
+    async def _run(self, request_id: str, prompt_ids: list[int], sampling: Any, lora: Any = None) -> Any:
         """Submit one request and wait for its final RequestOutput (aborted in the engine if the caller is
-        cancelled). Subclasses that add per-request engine arguments (PD transfer params) build `sampling`."""
+        cancelled). Subclasses that add per-request engine arguments (PD transfer params) build `sampling`;
+        `lora`: the LoRARequest the request runs with."""
         self._submitting += 1
         self._all_submitted.clear()
         try:
-            queue = await self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, sampling)
+            queue = await self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, sampling,
+                                                  lora_request=lora)
         finally:
             self._submitting -= 1
             if not self._submitting:
@@ -170,6 +191,23 @@ class VLLMAdapter(RolloutAdapter):
             count += loaded[0]  # one result per worker; every TP/PP rank loads the full bucket
         await self.engine.collective_rpc("mrl_finish_weight_update")
         return count
+
+    async def _load_lora(self, path: str, name: str) -> int:
+        from safetensors import safe_open
+        from vllm.lora.request import LoRARequest
+
+        if "enable_lora" not in self.engine_args:
+            raise RuntimeError("this vLLM engine was started without LoRA (the adapter's lora_rank)")
+        old, self._lora = self._lora, None
+        if old is not None:
+            await self.engine.remove_lora(old.lora_int_id)
+        # A new id per version: vLLM caches adapters by id, so a reused id would serve the old tensors.
+        request = LoRARequest(name, (old.lora_int_id + 1) if old is not None else 1, path)
+        if not await self.engine.add_lora(request):
+            raise RuntimeError(f"vLLM refused the LoRA adapter at {path}")
+        self._lora, self.lora_name = request, name
+        with safe_open(f"{path}/adapter_model.safetensors", "pt") as f:
+            return len(list(f.keys()))
 
     async def _receive_weights(self, spec: dict[str, Any] | list, rank: int) -> int:
         # Every worker joins the sender's group (ranks rank … rank + TP×PP − 1), or with a per-device list its

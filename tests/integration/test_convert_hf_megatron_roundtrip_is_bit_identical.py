@@ -1,7 +1,9 @@
 """`mrl convert` round trips are bit-identical: HF → Megatron dist-checkpoint at TP=2 → HF (read back at TP=1, so
 the checkpoint is layout-free), an MoE model through EP=2, and an RL checkpoint written by the engine (model +
 optimizer + LR schedule) → HF. A LoRA run's checkpoint (TP=2, adapters trained one step) converts to the merged
-HF model its engine exported. One world-2 launch runs every conversion."""
+HF model its engine exported, and (`--peft`, read at TP=2) to a PEFT folder whose per-projection factors give the
+same merged weights: W + (alpha / r)·B·A under PEFT's names of the HF weights. One world-2 launch runs every
+conversion."""
 
 import argparse
 import json
@@ -79,6 +81,8 @@ def test_conversions_round_trip_bit_identical(tmp_path):
         ToHF(str(tmp_path / "moe_ep2"), str(tmp_path / "moe_back"), Layout(tp=2)),
         ToHF(str(tmp_path / "rl_ckpt"), str(tmp_path / "rl_hf"), Layout(tp=2), hf_config=str(dense)),
         ToHF(str(tmp_path / "rl_ckpt_lora"), str(tmp_path / "lora_hf"), Layout(tp=1), hf_config=str(dense)),
+        ToHF(str(tmp_path / "rl_ckpt_lora"), str(tmp_path / "lora_hf2"), Layout(tp=2), hf_config=str(dense),
+             peft=str(tmp_path / "lora_peft")),
     ]
     merged = launch(_engine_checkpoint_then_convert, 2, str(dense), str(tmp_path / "rl_ckpt"), steps,
                     timeout_s=300)[0]
@@ -95,6 +99,20 @@ def test_conversions_round_trip_bit_identical(tmp_path):
         torch.testing.assert_close(lora_hf[name], tensor, atol=1e-6, rtol=1e-6, msg=name)
     moved = [n for n in base if not torch.equal(lora_hf[n], base[n])]
     assert moved and all(n.endswith(".weight") and ("_proj" in n) for n in moved), moved  # only adapted layers
+    _assert_peft_merges_to(tmp_path / "lora_peft", base, merged)
+
+
+def _assert_peft_merges_to(folder, base, merged):
+    from mrl.engine.megatron.lora_peft import peft_name
+
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (4, 8.0)
+    factors = load_file(folder / "adapter_model.safetensors")
+    adapted = [n for n in base if peft_name(n, "A") in factors]
+    assert len(factors) == 2 * len(adapted) == 2 * 7 * sum(n.endswith("q_proj.weight") for n in base)
+    for name in adapted:
+        delta = factors[peft_name(name, "B")] @ factors[peft_name(name, "A")] * config["lora_alpha"] / config["r"]
+        torch.testing.assert_close(base[name] + delta, merged[name], atol=1e-6, rtol=1e-6, msg=name)
 
 
 def test_cli_layout_defaults_to_the_recorded_one_and_flags_win(tmp_path):

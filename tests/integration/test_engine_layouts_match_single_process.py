@@ -18,9 +18,10 @@ ETP=1: every rank routes every token to the rollout engine's experts, with the s
 update loss (routing_fixtures.py).
 
 LoRA (`lora*` cases, actor.lora on every dense target): TP=2 (with and without sequence parallelism) and PP=2
-match the single-process LoRA run in the same terms (losses, the adapters' grad norm, log-probs, and the merged
-weights the export sends); its first loss equals the full fine-tune's (B starts at zero), and the log-probs with
-the adapters switched off after training equal the base model's before it (the base stays frozen).
+match the single-process LoRA run in the same terms (losses, the adapters' grad norm, log-probs, the merged
+weights the export sends, and the PEFT tensors of the adapter-only sync, gathered over TP and from both stages);
+its first loss equals the full fine-tune's (B starts at zero), and the log-probs with the adapters switched off
+after training equal the base model's before it (the base stays frozen).
 """
 
 from __future__ import annotations
@@ -97,6 +98,10 @@ def run_layout(path: str, layout: dict, micro: dict, overrides: dict, lora: dict
     if lora:
         with engine.adapters_disabled():
             base["base_after"] = engine.infer(JaggedBatch.from_sequences(data))["log_probs"].numpy()
+        from mrl.engine.megatron.lora_peft import gather_tensors
+
+        # the adapter-only sync's PEFT tensors (rank 0: every stage's, TP-merged and split per HF projection)
+        base["peft"] = {k: v.numpy() for k, v in gather_tensors(engine.bridge, engine.unwrapped()).items()}
     weights = {name: t.detach().cpu().numpy() for name, t in engine.export_weights()}
     return {
         **base,
@@ -195,6 +200,10 @@ def assert_matches(got: dict, ref: dict, label: str) -> None:
         assert got["weights"].keys() == ref["weights"].keys(), label
         for k, v in ref["weights"].items():
             assert_adam_close(torch.from_numpy(got["weights"][k]), torch.from_numpy(v), f"{label}: {k}")
+    if got.get("peft"):
+        assert got["peft"].keys() == ref["peft"].keys(), label
+        for k, v in ref["peft"].items():
+            assert_adam_close(torch.from_numpy(got["peft"][k]), torch.from_numpy(v), f"{label}: {k}")
 
 
 def assert_adam_close(got: torch.Tensor, ref: torch.Tensor, label: str) -> None:
@@ -252,6 +261,8 @@ def test_lora_starts_at_the_base_and_keeps_it_frozen(reference):
     assert (lora["log_probs"] != lora["base_before"]).any()  # the adapters trained
     assert (lora["base_after"] == lora["base_before"]).all()  # adapters off: exactly the untouched base
     assert lora["weights"].keys() == full["weights"].keys()  # merged export: the base's HF names only
+    layers = 1 + max(int(k.split(".")[2]) for k in full["weights"] if k.startswith("model.layers."))
+    assert len(lora["peft"]) == layers * 7 * 2  # A and B of q, k, v, o, gate, up, down per layer
 
 
 def test_packing_tp1_matches_one_sample_per_micro_batch(reference):

@@ -108,6 +108,7 @@ def test_sync_sequence_runs_in_order_on_the_server(run):
         assert after.index("wake_up:kv_cache") < after.index("resume_generation"), events
     for m in metrics:
         assert m["weight_sync/update_weights_s"] > 0 and "weight_sync/finalize_s" in m
+        assert m["weight_sync/bytes_total"] > 0 and m["weight_sync/tensors"] > 0  # rank 0's stream, counted
 
 
 def test_interrupted_trajectories_span_versions_within_the_staleness_bound(run):

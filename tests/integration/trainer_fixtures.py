@@ -61,6 +61,42 @@ def tiny_trainer(cls: type, recipe: str, root: Path, overrides: list[str], words
     return cls(built.config, built.parts, built.logger)
 
 
+LORA_PROBE = [11, 57, 203, 88, 141, 9, 300, 42]
+
+
+def varied_reward(solution_str, ground_truth, extra_info=None) -> float:
+    """A reward that differs between almost any two responses, so GRPO's advantages (and a LoRA actor's first
+    gradients: B starts at zero, and so does the KL term's gradient) are non-zero."""
+    return float(sum(map(ord, solution_str)) % 7)
+
+
+def lora_vllm_run(root: Path, overrides: list[str]) -> Iterator[dict[str, Any]]:
+    """Two GRPO steps of a TP=2 LoRA actor (rank 4, alpha 16) with one hybrid vLLM-CPU replica of TP 2, then a
+    sequence the replica samples and its trainer-vs-engine log-prob gap; then shutdown."""
+    model = make_tiny_hf_model("qwen2", root / "model", seed=0)
+    built = build_trainer(load_config("tiny/grpo", [
+        f"model.path={model}", f"data.train_files=[{prompt_file(root / 'train.jsonl', list('abcd'), 4)}]",
+        "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=2", "data.max_response_length=8",
+        "resources.n_gpus_per_node=2", "actor.megatron.tensor_model_parallel_size=2", "rollout.name=vllm",
+        "rollout.num_replicas=1", "rollout.tensor_model_parallel_size=2",
+        "+rollout.engine_kwargs.distributed_executor_backend=mp", "trainer.total_training_steps=2",
+        "actor.lora.enable=true", "actor.lora.rank=4", "actor.lora.alpha=16", "trainer.val_before_train=false",
+        "trainer.test_freq=-1", "actor.optim.lr=5e-2", f"trainer.default_local_dir={root / 'run'}",
+        f"reward.reward_fn='{__name__}:varied_reward'", *overrides,
+    ]))
+    from mrl.trainer.ppo_trainer import PPOTrainer
+
+    trainer = PPOTrainer(built.config, built.parts, built.logger)
+    try:
+        metrics = [trainer.step() for _ in range(2)]
+        (replica,) = trainer.parts.rollout.replicas.values()
+        sampling = {"temperature": 1.0, "max_tokens": 12, "seed": 3, "ignore_eos": True}
+        out = ray.get(replica.generate("probe", LORA_PROBE, sampling))
+        yield {"metrics": metrics, "version": out.version, "gap": trainer_gap(trainer, "probe", LORA_PROBE, out)}
+    finally:
+        shutdown(trainer)
+
+
 def assert_no_token_data(records: list[dict[str, Any]]) -> None:
     """What the driver holds of a trajectory: scalars and text (the prompt's messages, the decoded response),
     never tensors nor sequences of numbers (token ids, masks, log-probs)."""

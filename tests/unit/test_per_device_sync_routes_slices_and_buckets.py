@@ -51,9 +51,10 @@ def test_sent_bytes_split_slices_from_whole_tensors_and_metrics_take_the_busiest
     assert (sent.tensors, sent.sliced, sent.whole) == (2, 16, 8)
     idle = SentBytes().metrics()
     metrics = device_sync_metrics([sent.metrics(), idle])
-    assert metrics == {"weight_sync/device_bytes_max": 24.0, "weight_sync/bytes_sliced": 16.0,
+    assert metrics == {"weight_sync/device_bytes_max": 24.0, "weight_sync/bytes_total": 24.0,
+                       "weight_sync/tensors": 2.0, "weight_sync/bytes_sliced": 16.0,
                        "weight_sync/bytes_whole": 8.0, "weight_sync/senders": 1.0}
-    assert device_sync_metrics([{}, {"replica_tensors": [3]}]) == {}  # a rank-0-only transport reports no bytes
+    assert device_sync_metrics([{}, {"replica_tensors": [3]}]) == {}  # a result without bytes reports none
 
 
 def test_multi_rank_vllm_cpu_engines_get_disjoint_core_groups():

@@ -472,6 +472,21 @@ class MegatronEngine(BaseEngine):
         return lora.disabled(self.adapters)
 
     # ---- the rest of the contract ---------------------------------------------------------------------------
+    def state_sizes(self) -> dict[str, int]:
+        """This rank's optimizer-state bytes (Adam moments, fp32 master copies) and its share of the trainable
+        parameters, TP duplicates and DP replicas counted once (the sum over ranks is the model's)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        from mrl.engine.megatron.offload import optimizer_tensors
+
+        state = optimizer_tensors(self.optimizer) if self.optimizer is not None else []
+        first_replica = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+        trainable = sum(p.numel() for chunk in self.model for p in chunk.parameters()
+                        if p.requires_grad and param_is_not_tensor_parallel_duplicate(p)) if first_replica else 0
+        return {"optimizer_state_bytes": sum(t.numel() * t.element_size() for t in state),
+                "trainable_params": trainable}
+
     def unwrapped(self) -> list[torch.nn.Module]:
         return [chunk.module for chunk in self.model]
 

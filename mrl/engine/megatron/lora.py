@@ -159,6 +159,7 @@ def apply(chunks: Sequence[nn.Module], settings: Any) -> list[LoRAAdapter]:
                                       gated=leaf == "linear_fc1" and bool(module.config.gated_linear_unit))
             module.register_forward_hook(_hook)
             module.weight.export_value = lambda m=module: _merged(m)
+            module.weight.lora_adapter = module.lora  # the adapter-only export finds it by the weight's name
             module.sharded_state_dict = functools.partial(_sharded_state_dict, module, module.sharded_state_dict)
             adapters.append(module.lora)
     if not adapters:
