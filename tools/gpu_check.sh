@@ -20,7 +20,7 @@ declare -A CMD=(
   [bench15]="python3 tools/bench/e2e_gpu.py --shapes 1.5b --json $DIR/e2e_1.5b.json"
   [genlayers]="python3 tools/bench/gen_overhead.py --shape 1.5b --dtype bfloat16 --response-length 1024 --agent-workers 1 4 --num-cpus 16"
   [corr]="python3 tools/bench/variants_gpu.py --preset correction --enforce-eager --json $DIR/corr.json"
-  [lora]="python3 tools/bench/variants_gpu.py --preset lora --json $DIR/lora.json"
+  [lora]="python3 tools/bench/variants_gpu.py --preset lora --enforce-eager --json $DIR/lora.json"
   [engine]="python3 -m pytest $T/test_bridge_export_matches_hf_on_cuda.py $T/test_engine_sdpa_attention_loss_matches_local_spec_on_cuda.py $T/test_engine_tp1_on_gpu_matches_hf.py $T/test_weight_sync_cuda_ipc_delivers_bit_identical_stream.py -q --timeout=300"
 )
 declare -A LIMIT=([sleep]=300 [learn]=600 [bench05]=480 [peak]=600 [async]=400 [bench15]=600 [engine]=300 [genlayers]=600 [corr]=420 [lora]=420)

@@ -41,10 +41,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "lora": {
         "shape": "1.5b",
-        "keys": ("weight_sync/", "memory/optimizer", "memory/cuda_peak_gib/update_actor", "timing_s/update_weights",
-                 "timing_s/sync/update", "perf/mfu/update_actor", "actor/trainable"),
-        "variants": {"full": [], "lora_merged": [*LORA, "actor.lora.sync=merged"],
-                     "lora_adapter": [*LORA, "actor.lora.sync=adapter"]},
+        "keys": ("weight_sync/bytes", "weight_sync/device_bytes", "weight_sync/tensors", "memory/optimizer",
+                 "memory/cuda_peak_gib/update_actor", "timing_s/update_weights", "timing_s/sync/", "actor/trainable",
+                 "perf/mfu/update_actor", "timing_s/handover/"),
+        "variants": {"full": [], "lora_adapter": [*LORA, "actor.lora.sync=adapter", "rollout.sleep_level=1"],
+                     "lora_merged": [*LORA, "actor.lora.sync=merged"]},
     },
 }
 CUSTOM_KEYS = ("rollout/logprob", "rollout/mismatch", "rollout_corr/", "weight_sync/", "memory/")
