@@ -638,6 +638,9 @@ def _router_replay(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
         yield Violation(setting, mode, "full activation recompute re-runs the router in the backward pass, where "
                                        "Megatron's replay target is gone: use recompute_granularity null or "
                                        "'selective'")
+    if (_get(cfg, "actor.megatron.override_transformer_config") or {}).get("moe_router_fusion"):
+        yield Violation("actor.megatron.override_transformer_config.moe_router_fusion", True,
+                        f"{setting}={mode}: the fused top-k (TransformerEngine) never consults Megatron's RouterReplay")
     if mode == "rollout":
         yield from _r3_backend(cfg)
     if mode == "old_log_prob" and not _get(cfg, "rollout.recompute_old_log_prob"):

@@ -79,6 +79,10 @@ def routing_extra(out: Any, prompt_len: int, moe_layers: Sequence[int]) -> dict[
     """TokenOutput.extra of a finished RequestOutput of a `prompt_len`-token prompt (one sample, asked with
     routed_experts_prompt_start 0)."""
     sample = out.outputs[0]
+    if sample.routed_experts is None and len(sample.token_ids):
+        # Every sampled token follows a completed prefill, whose routing vLLM returns: the capture is off.
+        raise RuntimeError(f"request {out.request_id}: vLLM returned {len(sample.token_ids)} tokens but no routed "
+                           "experts (was the engine started with enable_return_routed_experts?)")
     routing = to_routing(sample.routed_experts, prompt_len, len(sample.token_ids), moe_layers,
                          request_id=out.request_id)
     return {"routed_experts": routing} if routing is not None else {}
