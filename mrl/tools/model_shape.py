@@ -88,6 +88,11 @@ def _is_moe_layer(c: dict[str, Any], layer: int) -> bool:
     return layer not in (c.get("mlp_only_layers") or []) and (layer + 1) % step == 0
 
 
+def moe_layer_indices(c: dict[str, Any]) -> list[int]:
+    """0-based indices of the decoder layers of an HF config that have routed experts, in layer order."""
+    return [layer for layer in range(c["num_hidden_layers"]) if _is_moe_layer(c, layer)]
+
+
 def _kv_bytes_per_token(c: dict[str, Any], layers: int) -> tuple[int, int]:
     """(bytes per token over all layers in bf16, KV heads that rollout TP splits)."""
     if c.get("kv_lora_rank"):

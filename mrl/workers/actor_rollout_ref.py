@@ -174,7 +174,7 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
         if replay == "rollout":
             num_experts = self.actor.engine.tf_config.num_moe_experts  # type: ignore[union-attr]
             routing = routing_metrics(outputs["own_experts"].values, fetched.jagged_field("routed_experts").values,
-                                      num_experts)
+                                      num_experts, used=outputs["routed_experts"].values)
         padded = {k: fetched.as_padded(k)[0] for k in ("old_log_probs", "rollout_log_probs", "response_mask")}
         versions = batch["min_version"] if "min_version" in batch else torch.full((len(batch),), -1)
         stats = correction_stats(padded["old_log_probs"], padded["rollout_log_probs"], padded["response_mask"],

