@@ -60,6 +60,7 @@ def receive_into(spec: dict[str, Any], rank: int, load: Any, keep_slices: bool =
         for named in receiver.receive_weights():
             load(named)
             count += len(named)
+            del named  # views of the sender's memory: let go before the bucket is acknowledged
     except BaseException as error:
         receiver.control.fail(error)
         receiver.close()

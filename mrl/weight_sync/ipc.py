@@ -153,6 +153,7 @@ class IpcReceiver(WeightReceiver):
                 torch.cuda.current_stream().wait_event(self.filled[slot])
             if self.handles is not None:
                 yield self.handles.read(meta)
+                self.handles.done()
             else:
                 yield reader.read(self.buffers[slot], meta["entries"])
             if self.loaded:
