@@ -24,6 +24,21 @@ import torch
 
 from mrl.weight_sync.buckets import in_full_shape
 
+# Tensors of their own storage below this size travel in a per-bucket staging tensor (see share_buckets).
+STAGE_BELOW = 64 << 20
+
+
+def _align(n: int, to: int = 256) -> int:
+    return -(-n // to) * to
+
+
+def _contiguous_strides(shape: list[int] | torch.Size) -> list[int]:
+    strides, step = [], 1
+    for n in reversed(list(shape)):
+        strides.insert(0, step)
+        step *= n
+    return strides
+
 
 def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
     storage = tensor.untyped_storage()
@@ -33,6 +48,7 @@ def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
 def share_buckets(
     named_tensors: Iterable[tuple], bucket_bytes: int, before_reuse: Callable[[int], None], held: list[list],
     counts: dict[str, int] | None = None, share: Callable[[torch.Tensor], bytes] | None = None,
+    stage_below: int = STAGE_BELOW,
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """Group the stream into buckets of ≤ `bucket_bytes`; yield (bucket index, meta: entries, new storages).
     `held[k % len(held)]` keeps bucket k's tensors alive; it is cleared after `before_reuse(k)` (the transport's
@@ -41,7 +57,9 @@ def share_buckets(
     torch's CUDA IPC counts one consumer per share, so every storage is shared once per mapping: a storage the
     tensor does not fill (a view into e.g. Megatron's contiguous parameter buffer) is shared once per sync and
     kept mapped by the receiver to the end; a storage the tensor fills (the export's own tensors, a parameter of
-    its own) is mapped for its bucket only (`transient`) and shared again should a later bucket need it.
+    its own) is mapped for its bucket only (`transient`) and shared again should a later bucket need it. Such
+    tensors under `stage_below` bytes (the export's split q/k/v, biases) are first copied into one staging tensor
+    per bucket: a few handles per sync instead of one per tensor (each costs both sides tens of µs of host time).
     `share` (default: CUDA IPC, which needs every tensor on the device) makes a storage's handle."""
     from rollout_adapters.cuda_ipc import share_cuda_buffer
 
@@ -51,9 +69,32 @@ def share_buckets(
     counts.update(buckets=0, handles=0)
     kept: dict[int, int] = {}  # storage address -> index, for the whole sync
     k, used, entries, storages, transient, seen = 0, 0, [], {}, {}, set()
+    staged: list[tuple[list, torch.Tensor]] = []  # (entry, tensor) to copy into the bucket's staging tensor
+
+    def add_storage(t: torch.Tensor, keep: bool) -> int:
+        index = counts["handles"] + len(storages)
+        (kept if keep else transient)[t.untyped_storage().data_ptr()] = index
+        storages[str(index)] = base64.b64encode(share(_storage_bytes(t))).decode()
+        return index
+
+    def stage() -> None:
+        offsets, total = [], 0
+        for _, t in staged:
+            offsets.append(total)
+            total = _align(total + t.numel() * t.element_size())
+        staging = torch.empty(total, dtype=torch.uint8, device=staged[0][1].device)
+        index = add_storage(staging, keep=False)
+        for (entry, t), offset in zip(staged, offsets):
+            n = t.numel() * t.element_size()
+            staging[offset:offset + n].view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
+            entry[3:6] = [_contiguous_strides(t.shape), offset // t.element_size(), index]
+        held[k % len(held)].append(staging)
+        staged.clear()
 
     def flush() -> Iterator[tuple[int, dict[str, Any]]]:
         nonlocal k, used, entries, storages, transient
+        if staged:
+            stage()
         yield k, {"entries": entries, "storages": storages, "transient": sorted(transient.values())}
         counts["buckets"] += 1
         counts["handles"] += len(storages)
@@ -75,17 +116,28 @@ def share_buckets(
         storage = t.untyped_storage()
         key = storage.data_ptr()
         index = kept.get(key, transient.get(key))
-        if index is None:
-            index = counts["handles"] + len(storages)
-            (transient if storage.nbytes() <= nbytes else kept)[key] = index
-            storages[str(index)] = base64.b64encode(share(_storage_bytes(t))).decode()
-        held[k % len(held)].append(t)
+        own = storage.nbytes() <= nbytes  # the tensor fills its storage
         tail = [[tp_slice[0].dim, tp_slice[0].rank, tp_slice[0].size]] if tp_slice else []
-        entries.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), list(t.stride()),
-                        t.storage_offset(), index, *tail])
+        entry = [name, str(t.dtype).removeprefix("torch."), list(t.shape), list(t.stride()), t.storage_offset(),
+                 index, *tail]
+        if index is None and own and nbytes < stage_below:
+            staged.append((entry, t))
+        elif index is None:
+            entry[5] = add_storage(t, keep=not own)
+        held[k % len(held)].append(t)
+        entries.append(entry)
         used += nbytes
     if entries:
         yield from flush()
+
+
+def view_of(raw: torch.Tensor, entry: list) -> torch.Tensor:
+    """The tensor of `entry` as a view of its storage `raw` (uint8, the whole storage): a view, so that vLLM's
+    layer-wise buffering (which copies views of transport memory) copies it."""
+    _, dtype, shape, stride, offset = entry[:5]
+    dt = getattr(torch, dtype)
+    size = torch.empty((), dtype=dt).element_size()
+    return raw[: raw.numel() - raw.numel() % size].view(dt).as_strided(shape, stride, offset)
 
 
 class HandleReader:
@@ -106,12 +158,8 @@ class HandleReader:
         self._open.update({int(i): open_cuda_buffer(base64.b64decode(h)) for i, h in meta["storages"].items()})
         self._transient = list(meta["transient"])
         named: list[tuple] = []
-        for name, dtype, shape, stride, offset, storage, *tp_slice in meta["entries"]:
-            raw = self._open[storage]
-            dt = getattr(torch, dtype)
-            size = torch.empty((), dtype=dt).element_size()
-            typed = raw[: raw.numel() - raw.numel() % size].view(dt)
-            tensor = typed.as_strided(shape, stride, offset)  # a view: vLLM's layer-wise buffering copies views
+        for entry in meta["entries"]:
+            name, tensor, tp_slice = entry[0], view_of(self._open[entry[5]], entry), entry[6:]
             if tp_slice and self.keep_slices:
                 named.append((name, tensor, tp_slice[0]))
             else:
