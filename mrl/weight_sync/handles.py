@@ -48,7 +48,7 @@ def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
 def share_buckets(
     named_tensors: Iterable[tuple], bucket_bytes: int, before_reuse: Callable[[int], None], held: list[list],
     counts: dict[str, int] | None = None, share: Callable[[torch.Tensor], bytes] | None = None,
-    stage_below: int = STAGE_BELOW,
+    stage_below: int | None = None,
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """Group the stream into buckets of ≤ `bucket_bytes`; yield (bucket index, meta: entries, new storages).
     `held[k % len(held)]` keeps bucket k's tensors alive; it is cleared after `before_reuse(k)` (the transport's
@@ -58,13 +58,15 @@ def share_buckets(
     tensor does not fill (a view into e.g. Megatron's contiguous parameter buffer) is shared once per sync and
     kept mapped by the receiver to the end; a storage the tensor fills (the export's own tensors, a parameter of
     its own) is mapped for its bucket only (`transient`) and shared again should a later bucket need it. Such
-    tensors under `stage_below` bytes (the export's split q/k/v, biases) are first copied into one staging tensor
-    per bucket: a few handles per sync instead of one per tensor (each costs both sides tens of µs of host time).
+    tensors under `stage_below` bytes (default STAGE_BELOW; the export's split q/k/v, biases) are first copied
+    into one staging tensor per bucket: a few handles per sync instead of one per tensor (each costs both sides
+    tens of µs of host time).
     `share` (default: CUDA IPC, which needs every tensor on the device) makes a storage's handle."""
     from rollout_adapters.cuda_ipc import share_cuda_buffer
 
     cuda = share is None
     share = share or share_cuda_buffer
+    stage_below = STAGE_BELOW if stage_below is None else stage_below
     counts = {} if counts is None else counts
     counts.update(buckets=0, handles=0)
     kept: dict[int, int] = {}  # storage address -> index, for the whole sync

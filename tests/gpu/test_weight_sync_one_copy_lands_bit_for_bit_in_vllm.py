@@ -2,7 +2,8 @@
 tensors' memory (views at storage offsets and strided views, fp32 norms into a bf16 engine, a vocabulary the engine
 pads) and the engine copies every HF tensor straight into its parameters; read back, the engine's parameters equal
 the export bit for bit, every tensor went the direct way (none through the model's loaders), and the same holds
-for a second sync after a level-2 sleep and wake (the engine's weights discarded and re-mapped at their addresses)."""
+for a second sync after a level-2 sleep and wake (the engine's weights discarded and re-mapped at their addresses),
+in which every tensor of its own storage is shared by its own handle instead of in a per-bucket staging tensor."""
 
 from __future__ import annotations
 
@@ -76,9 +77,11 @@ def read_back(llm) -> dict[str, torch.Tensor]:
     return load(llm.collective_rpc("mrl_read_weights")[0])
 
 
-def test_one_copy_sync_lands_bit_for_bit_in_a_live_vllm_and_again_after_a_level_2_sleep(tmp_path):
+def test_one_copy_sync_lands_bit_for_bit_in_a_live_vllm_and_again_after_a_level_2_sleep(tmp_path, monkeypatch):
     from transformers import Qwen2Config
     from vllm import LLM
+
+    from mrl.weight_sync import handles
 
     Qwen2Config(**SHAPE, max_position_embeddings=512, torch_dtype="bfloat16").save_pretrained(tmp_path)
     llm = LLM(model=str(tmp_path), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
@@ -86,6 +89,8 @@ def test_one_copy_sync_lands_bit_for_bit_in_a_live_vllm_and_again_after_a_level_
               worker_extension_cls=WORKER_EXTENSION, seed=0)
     try:
         for seed in (1, 2):
+            if seed == 2:
+                monkeypatch.setattr(handles, "STAGE_BELOW", 0)  # no staging: one handle per own storage
             exported = hf_export(seed)
             assert sync(llm, exported, bucket_bytes=96 << 10) == len(exported)  # many buckets: the ring is reused
             stats = llm.collective_rpc("mrl_load_stats")[0]
