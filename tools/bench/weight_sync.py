@@ -28,11 +28,13 @@ Usage: python tools/bench/weight_sync.py [--tiny] [--buckets-mb 64,256,1024] [--
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import tempfile
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -159,7 +161,12 @@ def receiver_main(shape: dict[str, Any], device_index: int, inbox: Any, outbox: 
             outbox.put(0)
             continue
         model.loaded = 0
-        count = receive_into(spec, 1, model.load)
+        try:
+            count = receive_into(spec, 1, model.load)
+        except Exception as error:  # reported by the sender's row; the next job still runs
+            outbox.put((-1, float("nan")))
+            print(f"receiver failed: {type(error).__name__}: {error}", flush=True)
+            continue
         _sync()
         outbox.put((count, float(model.params["model.embed_tokens.weight"].float().sum())))
 
@@ -187,8 +194,12 @@ def time_sync(sender: Any, bridge: Any, chunks: Any, inbox: Any, outbox: Any) ->
     _sync()
     setup_s = time.perf_counter() - start
     start = time.perf_counter()
-    sent = sender.send_weights(bridge.export(chunks))
-    sender.wait_done()  # the receiver has loaded every bucket
+    try:
+        sent = sender.send_weights(bridge.export(chunks))
+        sender.wait_done()  # the receiver has loaded every bucket
+    except BaseException:
+        sender.finalize(wait=False)
+        raise
     seconds = time.perf_counter() - start
     start = time.perf_counter()
     sender.finalize()  # nccl: destroys its communicator and frees the buffers, or keeps both and clears the keys
@@ -268,7 +279,13 @@ def time_vllm(args: Any, folder: str, bridge: Any, chunks: Any, total: int, copy
     rows = []
     try:
         for one_copy in (False, True):
-            runs = [vllm_sync(llm, bridge, chunks, bucket, one_copy) for _ in range(args.repeats + 1)]
+            try:
+                runs = [vllm_sync(llm, bridge, chunks, bucket, one_copy) for _ in range(args.repeats + 1)]
+            except Exception as error:  # the other path still runs
+                traceback.print_exc()
+                rows.append({"transport": "ipc one-copy" if one_copy else "ipc", "receiver_device": "vLLM",
+                             "error": f"{type(error).__name__}: {error}"})
+                continue
             stats = llm.collective_rpc("mrl_load_stats")[0]
             got = llm.collective_rpc("mrl_weight_sums")[0]
             # vLLM-CPU repacks its linear weights after loading: on CPU only the others are comparable
@@ -334,7 +351,7 @@ def main() -> None:
     parser.add_argument("--one-copy", action="store_true", help="ipc rows with and without one_copy, and vLLM")
     parser.add_argument("--no-vllm", action="store_true", help="with --one-copy: skip the live vLLM rows")
     parser.add_argument("--vllm-util", type=float, default=0.3, help="the live vLLM's gpu_memory_utilization")
-    parser.add_argument("--vllm-bucket-mb", default="2048")
+    parser.add_argument("--vllm-bucket-mb", default="1024")
     parser.add_argument("--no-flat-params", action="store_true", help="keep one storage per Megatron parameter")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
@@ -371,8 +388,17 @@ def main() -> None:
         try:
             for bucket, one_copy in [(b, o) for b in sizes for o in ((False, True) if args.one_copy else (False,))]:
                 kw = {"one_copy": True} if one_copy else {}
-                runs = [time_sync(make_sender(transport, 2, bucket, SYNC_TIMEOUT_S, device=_device(0), **kw),
-                                  bridge, chunks, inbox, outbox) for _ in range(args.repeats)]
+                try:
+                    runs = [time_sync(make_sender(transport, 2, bucket, SYNC_TIMEOUT_S, device=_device(0), **kw),
+                                      bridge, chunks, inbox, outbox) for _ in range(args.repeats)]
+                except Exception as error:  # the next rows still run
+                    traceback.print_exc()
+                    with contextlib.suppress(Exception):
+                        outbox.get(timeout=SYNC_TIMEOUT_S)  # the receiver's failure report
+                    result["rows"].append({"transport": transport + (" one-copy" if one_copy else ""),
+                                           "receiver_device": device_index, "error": f"{type(error).__name__}: "
+                                                                                    f"{error}"})
+                    continue
                 best = min(runs, key=lambda r: r["seconds"])
                 row = {"transport": transport + (" one-copy" if one_copy else ""), "receiver_device": device_index,
                        "bucket_mb": bucket / 2**20,
@@ -397,6 +423,10 @@ def main() -> None:
 
 
 def print_table(result: dict[str, Any]) -> None:
+    failed = [r for r in result["rows"] if "error" in r and "seconds" not in r]
+    result = {**result, "rows": [r for r in result["rows"] if r not in failed]}
+    for r in failed:
+        print(f"FAILED {r['transport']} into {r['receiver_device']}: {r['error']}")
     gb = result["bytes"] / 1e9
     print(f"\n{result['device']}: {gb:.2f} GB of weights; one device copy {result['copy_s'] * 1e3:.1f} ms "
           f"({result['copy_gb_s']:.0f} GB/s); export alone {result['export_only_s'] * 1e3:.1f} ms")
