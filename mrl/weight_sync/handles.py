@@ -17,8 +17,9 @@ buckets.py): `offset` in elements of `dtype` from the start of storage number `s
 from __future__ import annotations
 
 import base64
+import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -147,17 +148,26 @@ class HandleReader:
     storages are dropped by `done` (before the bucket is acknowledged: the sender may then free them), the others
     by `release` at the end of the sync; dropping a mapping waits for this process's copies from it (torch)."""
 
+    # This process's last sync: storages mapped, host seconds mapping them and dropping the mappings (dropping
+    # waits for the copies from them), for benchmarks: mapping is the per-sync cost this path adds.
+    last: ClassVar[dict[str, float]] = {}
+
     def __init__(self, keep_slices: bool = False) -> None:
         # TP slices come full-shaped (buckets.in_full_shape) unless `keep_slices`: then as (name, slice, [dim,
         # rank, size]), for a loader that places slices itself
         self.keep_slices = keep_slices
         self._open: dict[int, torch.Tensor] = {}
         self._transient: list[int] = []
+        self.stats = {"mapped": 0, "map_s": 0.0, "unmap_s": 0.0}
+        HandleReader.last = self.stats
 
     def read(self, meta: dict[str, Any]) -> list[tuple]:
         from rollout_adapters.cuda_ipc import open_cuda_buffer
 
+        start = time.perf_counter()
         self._open.update({int(i): open_cuda_buffer(base64.b64decode(h)) for i, h in meta["storages"].items()})
+        self.stats["mapped"] += len(meta["storages"])
+        self.stats["map_s"] += time.perf_counter() - start
         self._transient = list(meta["transient"])
         named: list[tuple] = []
         for entry in meta["entries"]:
@@ -170,11 +180,15 @@ class HandleReader:
 
     def done(self) -> None:
         """The bucket is loaded: drop its transient mappings."""
+        start = time.perf_counter()
         for index in self._transient:
             self._open.pop(index, None)
         self._transient = []
+        self.stats["unmap_s"] += time.perf_counter() - start
 
     def release(self) -> None:
         """The sync is over: drop every mapping."""
+        start = time.perf_counter()
         self._open, self._transient = {}, []
+        self.stats["unmap_s"] += time.perf_counter() - start
 

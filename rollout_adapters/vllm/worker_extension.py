@@ -63,8 +63,10 @@ class WeightReceiverExtension:
             rank += self.rank
         model = self.model_runner.get_model()
         if spec.get("one_copy") and (loader := self._mrl_direct_loader(model)) is not None:
+            from mrl.weight_sync.handles import HandleReader
+
             count = receive_into(spec, rank, loader.load, keep_slices=True)
-            self.mrl_last_load = {"one_copy": True, **loader.stats}
+            self.mrl_last_load = {"one_copy": True, **loader.stats, **HandleReader.last}
             self._mrl_reset_derived_state()
             return count
         self.mrl_last_load = {"one_copy": False, "why": getattr(self, "_mrl_direct_why", None)}

@@ -142,6 +142,7 @@ def receiver_main(shape: dict[str, Any], device_index: int, inbox: Any, outbox: 
     """Holds the inference-layout model; runs one receiver per spec until told to stop."""
     from mrl.weight_sync import receive_into
     from mrl.weight_sync.base import Control
+    from mrl.weight_sync.handles import HandleReader
     from mrl.weight_sync.nccl import broadcast, new_group
 
     if torch.cuda.is_available():
@@ -164,11 +165,12 @@ def receiver_main(shape: dict[str, Any], device_index: int, inbox: Any, outbox: 
         try:
             count = receive_into(spec, 1, model.load)
         except Exception as error:  # reported by the sender's row; the next job still runs
-            outbox.put((-1, float("nan")))
+            outbox.put((-1, float("nan"), {}))
             print(f"receiver failed: {type(error).__name__}: {error}", flush=True)
             continue
         _sync()
-        outbox.put((count, float(model.params["model.embed_tokens.weight"].float().sum())))
+        outbox.put((count, float(model.params["model.embed_tokens.weight"].float().sum()),
+                    dict(HandleReader.last) if spec.get("one_copy") else {}))
 
 
 def time_copy(nbytes: int, device: torch.device, reps: int = 5) -> float:
@@ -204,9 +206,9 @@ def time_sync(sender: Any, bridge: Any, chunks: Any, inbox: Any, outbox: Any) ->
     start = time.perf_counter()
     sender.finalize()  # nccl: destroys its communicator and frees the buffers, or keeps both and clears the keys
     teardown_s = time.perf_counter() - start
-    count, checksum = outbox.get(timeout=2 * SYNC_TIMEOUT_S)
+    count, checksum, mapping = outbox.get(timeout=2 * SYNC_TIMEOUT_S)
     return {"seconds": seconds, "setup_s": setup_s, "teardown_s": teardown_s, "tensors": sent, "received": count,
-            "embed_sum": checksum, "shared": dict(getattr(sender, "shared", {}))}
+            "embed_sum": checksum, "shared": {**getattr(sender, "shared", {}), **mapping}}
 
 
 def expected_sums(bridge: Any, chunks: Any) -> dict[str, float]:
@@ -441,8 +443,8 @@ def print_table(result: dict[str, Any]) -> None:
               f"{'ok' if r['checksum_ok'] else 'MISMATCH'} |")
     for r in result["rows"]:
         if r.get("shared"):
-            print(f"{r['transport']} ({r['receiver_device']}): buckets and storage handles shared per sync "
-                  f"{r['shared']}")
+            print(f"{r['transport']} ({r['receiver_device']}): buckets and storage handles shared, the receiver's "
+                  f"mappings and host seconds mapping / unmapping, best sync: {r['shared']}")
     for r in result["rows"]:
         if "rpc_s" in r:
             print(f"{r['transport']} into vLLM: engine call returned after {r['rpc_s'] * 1e3:.1f} ms "
