@@ -162,6 +162,9 @@ def receiver_main(shape: dict[str, Any], device_index: int, inbox: Any, outbox: 
             outbox.put(0)
             continue
         model.loaded = 0
+        for param in model.params.values():  # the checksum then shows this sync's bytes, not an earlier one's
+            param.zero_()
+        _sync()
         try:
             count = receive_into(spec, 1, model.load)
         except Exception as error:  # reported by the sender's row; the next job still runs
@@ -276,11 +279,15 @@ def time_vllm(args: Any, folder: str, bridge: Any, chunks: Any, total: int, copy
     llm = LLM(model=folder, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024,
               enforce_eager=True, enable_sleep_mode=cuda, worker_extension_cls=WORKER_EXTENSION, seed=0, **extra)
     print(f"vLLM started in {time.perf_counter() - start:.1f} s", flush=True)
-    want = expected_sums(bridge, chunks)
     bucket = int(float(args.vllm_bucket_mb) * 2**20) if cuda else 64 << 10
     rows = []
     try:
         for one_copy in (False, True):
+            if one_copy:  # other weights than the two-copy syncs left in the engine, so the sums tell them apart
+                for chunk in chunks:
+                    for param in chunk.parameters():
+                        param.data.neg_()
+            want = expected_sums(bridge, chunks)
             try:
                 runs = [vllm_sync(llm, bridge, chunks, bucket, one_copy) for _ in range(args.repeats + 1)]
             except Exception as error:  # the other path still runs
