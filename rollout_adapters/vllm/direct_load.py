@@ -38,6 +38,8 @@ class Destination:
         hold it)."""
         if self.dim is None or self.length is None:
             return None if tp_slice else tensor
+        if self.zero_rest and tensor.shape[self.dim] != self.length:
+            return None  # not the unpadded vocabulary: the loader's own check reports it
         start = self.src_start
         if tp_slice:
             dim, rank, _ = tp_slice

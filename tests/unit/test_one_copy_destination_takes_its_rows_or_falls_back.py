@@ -32,3 +32,9 @@ def test_a_whole_destination_takes_whole_tensors_only():
     whole = Destination("norm")
     assert whole.source(t) is t and whole.view(t) is t
     assert whole.source(t, [0, 0, 2]) is None
+
+
+def test_a_vocabulary_destination_takes_only_the_unpadded_vocabulary():
+    vocab = Destination("embed", dim=0, start=0, length=5, src_start=0, zero_rest=True)
+    assert vocab.source(torch.ones(5, 2)).shape == (5, 2)
+    assert vocab.source(torch.ones(8, 2)) is None  # padded rows from elsewhere: the loader decides
