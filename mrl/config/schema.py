@@ -449,11 +449,16 @@ class WeightSyncConfig:
     # (engine TP = actor TP), each device receives only its own TP slice of the dense TP-split tensors instead of
     # whole tensors (about 1/TP of those bytes; metrics weight_sync/bytes_sliced and bytes_whole).
     tp_slices: bool = True
+    # ipc on CUDA: the trainer shares its exported tensors' own memory (CUDA IPC handles) instead of packing buckets,
+    # and the engine copies each tensor straight into its parameter: one device copy instead of two (vLLM: into the
+    # parameter views its loaders write, for unquantized models; metrics weight_sync/bytes_one_copy). No effect on CPU.
+    one_copy: bool = False
 
     def sender_kwargs(self) -> dict[str, Any]:
         """Transport-specific arguments of mrl.weight_sync.make_sender."""
         return {"host": self.host, "keep_group": self.keep_group,
-                **({"directory": self.disk_dir or None} if self.transport == "disk" else {})}
+                **({"directory": self.disk_dir or None} if self.transport == "disk" else {}),
+                **({"one_copy": True} if self.one_copy and self.transport == "ipc" else {})}
 
 
 @dataclass

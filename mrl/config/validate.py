@@ -179,6 +179,13 @@ def _modes(cfg: DictConfig, _: bool) -> Iterator[Violation]:
 
 
 @rule
+def _one_copy(cfg: DictConfig, _: bool) -> Iterator[Violation]:
+    if _get(cfg, "weight_sync.one_copy") and _get(cfg, "weight_sync.transport") != "ipc":
+        yield Violation("weight_sync.one_copy", True, "shares the trainer's device memory with the engine on the "
+                        f"same device: needs weight_sync.transport=ipc, not {_get(cfg, 'weight_sync.transport')}")
+
+
+@rule
 def _model_path(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
     path = _get(cfg, "model.path")
     if not path:

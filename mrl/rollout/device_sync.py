@@ -56,6 +56,7 @@ class SentBytes:
     sliced: int = 0
     whole: int = 0
     receivers: list[str] = field(default_factory=list)
+    one_copy: bool = False  # sent as handles of the trainer's own memory (weight_sync.one_copy on CUDA)
 
     def count(self, stream: Iterable[tuple]) -> Iterator[tuple]:
         for item in stream:
@@ -69,7 +70,7 @@ class SentBytes:
 
     def metrics(self) -> dict[str, Any]:
         return {"tensors": self.tensors, "bytes_sliced": self.sliced, "bytes_whole": self.whole,
-                "receivers": self.receivers}
+                "bytes_one_copy": (self.sliced + self.whole) if self.one_copy else 0, "receivers": self.receivers}
 
 
 def _drain(stream: Iterator[tuple]) -> None:
@@ -93,6 +94,7 @@ def sync_per_device(manager: Any, stream: Iterable[tuple], version: int, bucket_
     mine = routes.get(rank, [])
     sent, stream, error = SentBytes(receivers=[f"{sid}/{w}" for sid, w in mine]), iter(stream), None
     sender = make_sender("ipc", 1 + len(mine), bucket_bytes, timeout_s, **sender_kwargs) if mine else None
+    sent.one_copy = bool(getattr(sender, "one_copy", False))
     specs: list[Any] = [None] * world
     dist.all_gather_object(specs, sender.prepare() if sender is not None else None)
     refs = {}
@@ -130,7 +132,8 @@ def sync_per_device(manager: Any, stream: Iterable[tuple], version: int, bucket_
 
 def device_sync_metrics(per_rank: list[dict[str, Any]]) -> dict[str, float]:
     """Step metrics from every rank's sync result (per device, rank 0's stream, or the adapters): bytes sent per
-    device (the busiest one) and in all, split into TP slices and whole tensors, and tensors sent."""
+    device (the busiest one) and in all, split into TP slices and whole tensors, how many of them went by one copy
+    (weight_sync.one_copy), and tensors sent."""
     ranks = [r for r in per_rank if isinstance(r, dict) and "bytes_whole" in r]
     if not ranks:
         return {}
@@ -140,4 +143,5 @@ def device_sync_metrics(per_rank: list[dict[str, Any]]) -> dict[str, float]:
             "weight_sync/tensors": float(sum(r["tensors"] for r in ranks)),
             "weight_sync/bytes_sliced": float(sum(r["bytes_sliced"] for r in ranks)),
             "weight_sync/bytes_whole": float(sum(r["bytes_whole"] for r in ranks)),
+            "weight_sync/bytes_one_copy": float(sum(r.get("bytes_one_copy", 0) for r in ranks)),
             "weight_sync/senders": float(sum(bool(r["receivers"]) for r in ranks))}

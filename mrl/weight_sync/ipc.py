@@ -25,6 +25,7 @@ import torch
 
 from mrl.weight_sync.base import WeightReceiver, WeightSender, sync_device
 from mrl.weight_sync.buckets import BucketReader, completed, fill_buckets
+from mrl.weight_sync.handles import HandleReader, share_buckets
 
 NUM_BUFFERS = 2
 
@@ -40,9 +41,12 @@ def _shm_dir() -> str:
 class IpcSender(WeightSender):
     transport = "ipc"
 
-    def __init__(self, *args: Any, device: str | torch.device | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, device: str | torch.device | None = None, one_copy: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.one_copy = one_copy and self.device.type == "cuda"
+        self.shared: dict[str, int] = {}  # one_copy: buckets and storage handles of the last sync
         self.buffers: list[torch.Tensor] = []
         self._files: list[str] = []
         self.filled: list[Any] = []  # CUDA only: per buffer, recorded by the sender after a bucket's copies
@@ -52,15 +56,16 @@ class IpcSender(WeightSender):
         if self.device.type == "cuda":
             from rollout_adapters.cuda_ipc import share_cuda_buffer
 
-            self.buffers = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device)
-                            for _ in range(NUM_BUFFERS)]
+            self.buffers = [] if self.one_copy else [
+                torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device) for _ in range(NUM_BUFFERS)]
             uuid = str(torch.cuda.get_device_properties(self.device).uuid)
             with torch.cuda.device(self.device):  # an event's handle is created on the current device
                 self.filled = [shared_event() for _ in range(NUM_BUFFERS)]
                 self.loaded = [[shared_event() for _ in range(1, self.world_size)] for _ in range(NUM_BUFFERS)]
                 events = {"filled_events": [e.ipc_handle() for e in self.filled],
                           "loaded_events": [[e.ipc_handle() for e in per_slot] for per_slot in self.loaded]}
-            return {"device": "cuda", "gpu": uuid, "handles": [share_cuda_buffer(b) for b in self.buffers], **events}
+            return {"device": "cuda", "gpu": uuid, "handles": [share_cuda_buffer(b) for b in self.buffers],
+                    "one_copy": self.one_copy, **events}
         for i in range(NUM_BUFFERS):
             path = os.path.join(_shm_dir(), f"{self.control.prefix}_{i}")
             with open(path, "wb") as f:
@@ -79,22 +84,33 @@ class IpcSender(WeightSender):
             for event in self.loaded[k % NUM_BUFFERS] if self.loaded else ():
                 torch.cuda.current_stream(self.device).wait_event(event)
 
+        if self.one_copy:
+            held: list[list] = [[] for _ in range(NUM_BUFFERS)]
+            buckets = ((k, k % NUM_BUFFERS, meta) for k, meta in share_buckets(
+                named_tensors, self.bucket_bytes, before_reuse, held, self.shared))
+        else:
+            buckets = ((k, slot, {"entries": entries}) for k, slot, entries, _ in fill_buckets(
+                named_tensors, self.buffers, before_reuse))
         count = k = 0
-        for k, slot, entries, _ in fill_buckets(named_tensors, self.buffers, before_reuse):
+        for k, slot, meta in buckets:
             if self.filled:
                 self.filled[slot].record(torch.cuda.current_stream(self.device))
             else:
                 sync_device()  # e.g. device tensors copied into host shared memory
-            c.set({"slot": slot, "entries": entries}, "meta", k)
-            count += completed(entries)
+            c.set({"slot": slot, **meta}, "meta", k)
+            count += len(meta["entries"]) if self.one_copy else completed(meta["entries"])
             k += 1
         c.set({"end": True}, "meta", k)
         for old in range(max(k - NUM_BUFFERS, 0), k):
             c.wait(f"bucket {old} acknowledged", {r: c.key("ack", old, r) for r in receivers})
+            for event in self.loaded[old % NUM_BUFFERS] if self.one_copy else ():
+                torch.cuda.current_stream(self.device).wait_event(event)  # before the bucket's tensors are freed
         return count
 
     def _finalize(self) -> None:
         self.buffers, self.filled, self.loaded = [], [], []
+        if self.one_copy:
+            torch.cuda.ipc_collect()  # free the shared tensors the receivers have let go of
         for path in self._files:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)  # mappings stay valid until their tensors are freed
@@ -102,8 +118,11 @@ class IpcSender(WeightSender):
 
 
 class IpcReceiver(WeightReceiver):
-    def __init__(self, spec: dict[str, Any], rank: int) -> None:
+    def __init__(self, spec: dict[str, Any], rank: int, keep_slices: bool = False) -> None:
         super().__init__(spec, rank)
+        # one_copy: views of the sender's own storages; TP slices as (name, slice, [dim, rank, size]) if the
+        # caller places them itself (keep_slices)
+        self.handles = HandleReader(keep_slices) if spec.get("one_copy") else None
         if spec["device"] == "cuda":
             from rollout_adapters.cuda_ipc import open_cuda_buffer
 
@@ -132,7 +151,11 @@ class IpcReceiver(WeightReceiver):
             slot = meta["slot"]
             if self.filled:
                 torch.cuda.current_stream().wait_event(self.filled[slot])
-            yield reader.read(self.buffers[slot], meta["entries"])
+            if self.handles is not None:
+                yield self.handles.read(meta)
+                self.handles.done()
+            else:
+                yield reader.read(self.buffers[slot], meta["entries"])
             if self.loaded:
                 self.loaded[slot].record()  # the sender's stream waits on it before refilling this buffer
             else:
@@ -140,6 +163,8 @@ class IpcReceiver(WeightReceiver):
             c.set(1, "ack", k, self.rank)
             k += 1
         reader.check_complete()
+        if self.handles is not None:
+            self.handles.release()
 
     def finalize(self) -> None:
         sync_device()  # every load has read the buffers before the sender may free them

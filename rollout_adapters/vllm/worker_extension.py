@@ -77,6 +77,14 @@ class WeightReceiverExtension:
         else:
             rank += self.rank
         model = self.model_runner.get_model()
+        if spec.get("one_copy") and (loader := self._mrl_direct_loader(model)) is not None:
+            from mrl.weight_sync.handles import HandleReader
+
+            count = receive_into(spec, rank, loader.load, keep_slices=True)
+            self.mrl_last_load = {"one_copy": True, **loader.stats, **HandleReader.last}
+            self._mrl_reset_derived_state()
+            return count
+        self.mrl_last_load = {"one_copy": False, "why": getattr(self, "_mrl_direct_why", None)}
 
         def load(named: list[tuple[str, torch.Tensor]]) -> None:
             model.load_weights(weights=named)
@@ -86,6 +94,30 @@ class WeightReceiverExtension:
         count = receive_into(spec, rank, load)
         self.mrl_finish_weight_update()
         return count
+
+    def _mrl_direct_loader(self, model: Any) -> Any:
+        """A one-copy loader for this model (rollout_adapters/vllm/direct_load.py), or None where the model's
+        layers process weights after loading (then the layer-wise reload below runs, still reading the trainer's
+        memory directly)."""
+        from rollout_adapters.vllm.direct_load import DirectLoader, direct_loadable
+
+        loader = getattr(self, "_mrl_loader", None)
+        if loader is None or loader.model is not model:  # the map is built once per model
+            self._mrl_direct_why = direct_loadable(model)
+            loader = self._mrl_loader = DirectLoader(model) if self._mrl_direct_why is None else None
+        if loader is not None:
+            loader.stats = dict.fromkeys(loader.stats, 0)
+        return loader
+
+    def mrl_load_stats(self) -> dict[str, Any]:
+        """How the last transport sync loaded: one_copy (straight into the parameters) and its tensors and bytes
+        copied directly vs through the model's loaders, or why not."""
+        return dict(getattr(self, "mrl_last_load", {}))
+
+    def mrl_weight_sums(self) -> dict[str, float]:
+        """Per-parameter float64 sums (a cheap device-side digest, for benchmarks checking a large sync)."""
+        model = self.model_runner.get_model()
+        return {name: float(p.detach().double().sum()) for name, p in model.named_parameters()}
 
     def mrl_read_weights(self) -> bytes:
         """The engine's parameters, in vLLM's own names and layout (fused qkv_proj, gate_up_proj;
@@ -101,7 +133,11 @@ class WeightReceiverExtension:
 
         runner = self.model_runner
         finalize_layerwise_reload(runner.get_model(), runner.model_config)
-        # State derived from the old weights (what reload_weights resets too).
+        self._mrl_reset_derived_state()
+
+    def _mrl_reset_derived_state(self) -> None:
+        """State derived from the old weights (what reload_weights resets too)."""
+        runner = self.model_runner
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             if hasattr(runner, reset):
                 getattr(runner, reset)()

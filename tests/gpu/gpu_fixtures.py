@@ -1,5 +1,6 @@
 """Pieces the end-to-end GPU tests share (their Ray cluster is conftest.py's `gpu_ray`): device memory read without
-creating a CUDA context in the test process, and trainers of the demo task built from `recipes/tiny/grpo.yaml`."""
+creating a CUDA context in the test process, trainers of the demo task built from `recipes/tiny/grpo.yaml`, and the
+check that the engine holds the trainer's weights."""
 
 from __future__ import annotations
 
@@ -49,3 +50,14 @@ def demo_trainer(paths: dict[str, Any], root: Path, *overrides: str, cls: Any = 
     ])
     trainer = build_trainer(cfg)
     return trainer if cls is None else cls(trainer.config, trainer.parts, trainer.logger)
+
+
+def engine_matches_export(trainer: Any) -> list[str]:
+    """Engine parameters (read back) that differ in any bit from the actor's export (rollout_adapters/vllm/readback)."""
+    from rollout_adapters.vllm.readback import mismatched_params
+
+    group = trainer.parts.actor_rollout
+    group.onload()  # the export reads the actor's parameters, offloaded while the engine generates
+    exported = group.export_to_host()[0]
+    group.offload()
+    return mismatched_params(trainer.parts.rollout.read_weights()[0], exported)

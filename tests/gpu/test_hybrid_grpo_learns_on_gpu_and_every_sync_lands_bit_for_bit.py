@@ -6,20 +6,10 @@ bit for bit; the hand-over's device memory is logged at each point."""
 from __future__ import annotations
 
 import pytest
-from gpu_fixtures import demo_task, demo_trainer
-
-from rollout_adapters.vllm.readback import mismatched_params
+from gpu_fixtures import demo_task, demo_trainer, engine_matches_export
 
 pytestmark = pytest.mark.gpu
 STEPS = 8
-
-
-def engine_matches_export(trainer) -> list[str]:
-    group = trainer.parts.actor_rollout
-    group.onload()  # the export reads the actor's parameters, offloaded while the engine generates
-    exported = group.export_to_host()[0]
-    group.offload()
-    return mismatched_params(trainer.parts.rollout.read_weights()[0], exported)
 
 
 def run(paths, root, lr: float, check_sync: bool) -> tuple[float, float, list[dict]]:

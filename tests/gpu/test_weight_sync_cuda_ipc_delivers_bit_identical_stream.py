@@ -1,6 +1,7 @@
 """The `ipc` weight-sync transport on CUDA: a stream of CUDA tensors (mixed dtypes and shapes, a strided view, one
 tensor larger than a bucket) packed into two shared device buffers is read by a receiver process on the same GPU
-through CUDA IPC handles, bit for bit and without passing through host memory (the receiver sees device views)."""
+through CUDA IPC handles, bit for bit and without passing through host memory (the receiver sees device views);
+with `one_copy` the same stream arrives as views of the sender's own tensors (no shared buffers)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def _receiver(spec, outbox) -> None:
     outbox.put(got)
 
 
-def test_stream_crosses_processes_bit_exact_through_cuda_ipc():
+@pytest.mark.parametrize("one_copy", [False, True])
+def test_stream_crosses_processes_bit_exact_through_cuda_ipc(one_copy):
     torch.manual_seed(0)
     tensors = [
         ("model.embed_tokens.weight", torch.randn(1000, 64, device="cuda")),  # 256 000 bytes: four buckets
@@ -40,9 +42,9 @@ def test_stream_crosses_processes_bit_exact_through_cuda_ipc():
         ("model.layers.0.mlp.gate_up.weight", torch.randn(3, 5, 7, device="cuda")[:, 1]),  # a strided view
         ("step", torch.arange(3, device="cuda")),
     ] + [(f"model.layers.{i}.mlp.down_proj.weight", torch.randn(96, 96, device="cuda")) for i in range(1, 6)]
-    sender = make_sender("ipc", 2, BUCKET, 120.0, device="cuda")
+    sender = make_sender("ipc", 2, BUCKET, 120.0, device="cuda", one_copy=one_copy)
     spec = sender.prepare()
-    assert spec["device"] == "cuda" and len(spec["handles"]) == 2
+    assert spec["device"] == "cuda" and len(spec["handles"]) == (0 if one_copy else 2)
     ctx = mp.get_context("spawn")
     outbox = ctx.Queue()
     proc = ctx.Process(target=_receiver, args=(spec, outbox))

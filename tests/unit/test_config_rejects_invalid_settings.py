@@ -112,6 +112,8 @@ INVALID = [
     (["trainer.mode=fastest"], "trainer.mode", "must be one of"),
     (["rollout.name=tgi"], "rollout.name", "must be one of"),
     (["weight_sync.transport=rdma"], "weight_sync.transport", "must be one of"),
+    (["weight_sync.one_copy=true", "weight_sync.transport=disk"], "weight_sync.one_copy",
+     "needs weight_sync.transport=ipc"),
     (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator", "must be one of"),
     (["actor.policy_loss=dpo"], "actor.policy_loss", "must be one of"),
     (["actor.loss_agg_mode=sum"], "actor.loss_agg_mode", "must be one of"),

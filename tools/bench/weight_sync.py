@@ -13,17 +13,28 @@ three copies' worth, convert + pack + load); apart, the per-sync group setup (re
 creation) and teardown (nccl: communicator destruction).
 On a CPU-only machine it runs a tiny shape (shared memory and gloo) to check the script.
 
-Usage: python tools/bench/weight_sync.py [--tiny] [--buckets-mb 64,256,1024] [--out result.json]
+`--one-copy` (weight_sync.one_copy): the sender shares its exported tensors' own memory instead of packing buckets
+(mrl/weight_sync/handles.py) and the receiver copies each straight into its parameters: one device copy, goal ≥ 0.5×
+the device-copy rate. Rows: `ipc` (two copies) and `ipc one-copy` into the receiver above, then, unless --no-vllm,
+both into a live vLLM (random weights, sleep mode on as in hybrid runs, eager) whose worker extension loads them
+(one-copy: straight into its parameter views, rollout_adapters/vllm/direct_load.py; two copies: today's layer-wise
+reload), each checked by per-parameter sums read back from the engine. The Megatron parameters are first moved into
+one flat buffer per dtype, as Megatron's DDP holds them with the distributed optimizer (the default), so the sync
+shares a few storages, not one per tensor (--no-flat-params: one per tensor).
+
+Usage: python tools/bench/weight_sync.py [--tiny] [--buckets-mb 64,256,1024] [--one-copy] [--out result.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import tempfile
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -107,10 +118,31 @@ def build_megatron(shape: dict[str, Any], folder: str) -> tuple[Any, list[torch.
     return bridge, chunks
 
 
+def flatten_params(chunks: list[torch.nn.Module]) -> int:
+    """Move every parameter into one flat buffer per dtype (Megatron's DDP param buffer); returns the buffers."""
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for chunk in chunks:
+        for p in chunk.parameters():
+            by_dtype.setdefault(p.dtype, []).append(p)
+    for dtype, params in by_dtype.items():
+        flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
+        offset = 0
+        for p in params:
+            view = flat[offset:offset + p.numel()].view(p.shape)
+            view.copy_(p.data)
+            p.data = view
+            offset += p.numel()
+    _sync()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the per-tensor storages: give them back for the receivers
+    return len(by_dtype)
+
+
 def receiver_main(shape: dict[str, Any], device_index: int, inbox: Any, outbox: Any) -> None:
     """Holds the inference-layout model; runs one receiver per spec until told to stop."""
     from mrl.weight_sync import receive_into
     from mrl.weight_sync.base import Control
+    from mrl.weight_sync.handles import HandleReader
     from mrl.weight_sync.nccl import broadcast, new_group
 
     if torch.cuda.is_available():
@@ -130,9 +162,18 @@ def receiver_main(shape: dict[str, Any], device_index: int, inbox: Any, outbox: 
             outbox.put(0)
             continue
         model.loaded = 0
-        count = receive_into(spec, 1, model.load)
+        for param in model.params.values():  # the checksum then shows this sync's bytes, not an earlier one's
+            param.zero_()
         _sync()
-        outbox.put((count, float(model.params["model.embed_tokens.weight"].float().sum())))
+        try:
+            count = receive_into(spec, 1, model.load)
+        except Exception as error:  # reported by the sender's row; the next job still runs
+            outbox.put((-1, float("nan"), {}))
+            print(f"receiver failed: {type(error).__name__}: {error}", flush=True)
+            continue
+        _sync()
+        outbox.put((count, float(model.params["model.embed_tokens.weight"].float().sum()),
+                    dict(HandleReader.last) if spec.get("one_copy") else {}))
 
 
 def time_copy(nbytes: int, device: torch.device, reps: int = 5) -> float:
@@ -158,15 +199,118 @@ def time_sync(sender: Any, bridge: Any, chunks: Any, inbox: Any, outbox: Any) ->
     _sync()
     setup_s = time.perf_counter() - start
     start = time.perf_counter()
-    sent = sender.send_weights(bridge.export(chunks))
-    sender.wait_done()  # the receiver has loaded every bucket
+    try:
+        sent = sender.send_weights(bridge.export(chunks))
+        sender.wait_done()  # the receiver has loaded every bucket
+    except BaseException:
+        sender.finalize(wait=False)
+        raise
     seconds = time.perf_counter() - start
     start = time.perf_counter()
     sender.finalize()  # nccl: destroys its communicator and frees the buffers, or keeps both and clears the keys
     teardown_s = time.perf_counter() - start
-    count, checksum = outbox.get(timeout=2 * SYNC_TIMEOUT_S)
+    count, checksum, mapping = outbox.get(timeout=2 * SYNC_TIMEOUT_S)
     return {"seconds": seconds, "setup_s": setup_s, "teardown_s": teardown_s, "tensors": sent, "received": count,
-            "embed_sum": checksum}
+            "embed_sum": checksum, "shared": {**getattr(sender, "shared", {}), **mapping}}
+
+
+def expected_sums(bridge: Any, chunks: Any) -> dict[str, float]:
+    """Per vLLM parameter: the float64 sum of what the export puts into it, in the engine's bf16 (fused parts
+    summed; the vocabulary padding rows are zero after a load)."""
+    from rollout_adapters.vllm.readback import STACKED
+
+    sums: dict[str, float] = {}
+    for name, tensor in bridge.export(chunks):
+        target = name
+        for fused, parts in STACKED.items():
+            for part in parts:
+                target = target.replace(f".{part}.", f".{fused}.")
+        sums[target] = sums.get(target, 0.0) + float(tensor.to(torch.bfloat16).double().sum())
+    return sums
+
+
+def vllm_sync(llm: Any, bridge: Any, chunks: Any, bucket: int, one_copy: bool) -> dict[str, Any]:
+    """One sync into the live engine (its worker extension's receive, called from a thread: LLM.collective_rpc
+    blocks). `seconds`: until the engine reported every bucket loaded; `rpc_s`: until its call returned (the
+    two-copy path finalises the layer-wise reload after that)."""
+    import threading
+
+    from mrl.weight_sync import make_sender
+
+    sender = make_sender("ipc", 2, bucket, SYNC_TIMEOUT_S, device=_device(0), one_copy=one_copy)
+    spec = sender.prepare()
+    out: dict[str, Any] = {}
+    ended: list[float] = []
+
+    def receive() -> None:
+        try:
+            out["received"] = llm.collective_rpc("mrl_receive_weights", args=(spec, 1))[0]
+        except Exception as error:  # reported with the row
+            out["error"] = f"{type(error).__name__}: {error}"
+        ended.append(time.perf_counter())
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    try:
+        start = time.perf_counter()
+        sender.init_process_group()
+        setup_s = time.perf_counter() - start
+        start = time.perf_counter()
+        sent = sender.send_weights(bridge.export(chunks))
+        sender.wait_done()
+        seconds = time.perf_counter() - start
+        sender.finalize()
+    finally:
+        sender.finalize(wait=False)
+        thread.join(timeout=2 * SYNC_TIMEOUT_S)
+    return {"seconds": seconds, "rpc_s": (ended[0] - start) if ended else float("nan"), "setup_s": setup_s,
+            "teardown_s": 0.0, "tensors": sent, "shared": dict(sender.shared), **out}
+
+
+def time_vllm(args: Any, folder: str, bridge: Any, chunks: Any, total: int, copy_s: float) -> list[dict[str, Any]]:
+    """Two-copy then one-copy syncs into a live vLLM of the same shape (random weights), each checked by sums."""
+    from vllm import LLM
+
+    from rollout_adapters.vllm.adapter import UNIPROC_EXECUTOR, WORKER_EXTENSION
+
+    cuda = torch.cuda.is_available()
+    start = time.perf_counter()
+    extra = {"gpu_memory_utilization": args.vllm_util} if cuda else {"distributed_executor_backend": UNIPROC_EXECUTOR}
+    llm = LLM(model=folder, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024,
+              enforce_eager=True, enable_sleep_mode=cuda, worker_extension_cls=WORKER_EXTENSION, seed=0, **extra)
+    print(f"vLLM started in {time.perf_counter() - start:.1f} s", flush=True)
+    bucket = int(float(args.vllm_bucket_mb) * 2**20) if cuda else 64 << 10
+    rows = []
+    try:
+        for one_copy in (False, True):
+            if one_copy:  # other weights than the two-copy syncs left in the engine, so the sums tell them apart
+                for chunk in chunks:
+                    for param in chunk.parameters():
+                        param.data.neg_()
+            want = expected_sums(bridge, chunks)
+            try:
+                runs = [vllm_sync(llm, bridge, chunks, bucket, one_copy) for _ in range(args.repeats + 1)]
+            except Exception as error:  # the other path still runs
+                traceback.print_exc()
+                rows.append({"transport": "ipc one-copy" if one_copy else "ipc", "receiver_device": "vLLM",
+                             "error": f"{type(error).__name__}: {error}"})
+                continue
+            stats = llm.collective_rpc("mrl_load_stats")[0]
+            got = llm.collective_rpc("mrl_weight_sums")[0]
+            # vLLM-CPU repacks its linear weights after loading: on CPU only the others are comparable
+            names = [n for n in want if cuda or not n.endswith("proj.weight")]
+            bad = sorted(n for n in names if n not in got or abs(got[n] - want[n]) > 1e-6 * (1 + abs(want[n])))
+            best = min(runs[1:], key=lambda r: r["seconds"])  # the first builds the one-copy map, opens handles
+            row = {"transport": "ipc one-copy" if one_copy else "ipc", "receiver_device": "vLLM",
+                   "bucket_mb": bucket / 2**20, **best, "gb_s": total / best["seconds"] / 1e9,
+                   "ratio_vs_copy": copy_s / best["seconds"], "rpc_ratio_vs_copy": copy_s / best["rpc_s"],
+                   "all_seconds": [r["seconds"] for r in runs], "all_rpc_s": [r["rpc_s"] for r in runs],
+                   "load_stats": stats, "checksum_ok": not bad and "error" not in best, "mismatched": bad[:8]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        del llm
+    return rows
 
 
 def time_kept_group(bridge: Any, chunks: Any, bucket: int, inbox: Any, outbox: Any, repeats: int) -> dict[str, Any]:
@@ -213,6 +357,11 @@ def main() -> None:
     parser.add_argument("--buckets-mb", default="64,256,512,1024,2048")
     parser.add_argument("--nccl-buckets-mb", default="512,2048")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--one-copy", action="store_true", help="ipc rows with and without one_copy, and vLLM")
+    parser.add_argument("--no-vllm", action="store_true", help="with --one-copy: skip the live vLLM rows")
+    parser.add_argument("--vllm-util", type=float, default=0.3, help="the live vLLM's gpu_memory_utilization")
+    parser.add_argument("--vllm-bucket-mb", default="1024")
+    parser.add_argument("--no-flat-params", action="store_true", help="keep one storage per Megatron parameter")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
@@ -222,6 +371,7 @@ def main() -> None:
         buckets = [max(b // 1024, 4096) for b in buckets]  # tiny model: KiB-sized buckets still split tensors
     folder = tempfile.mkdtemp(prefix="mrl_ws_bench_")
     bridge, chunks = build_megatron(shape, folder)
+    flat = 0 if args.no_flat_params else flatten_params(chunks)
     total = sum(t.numel() * t.element_size() for _, t in bridge.export(chunks))
     expected_sum = float(chunks[0].embedding.word_embeddings.weight.detach().float().sum())
     _sync()
@@ -233,10 +383,11 @@ def main() -> None:
     copy_s = time_copy(total, _device(0))
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "shape": shape,
                               "bytes": total, "copy_s": copy_s, "copy_gb_s": total / copy_s / 1e9,
-                              "export_only_s": export_s, "rows": []}
+                              "export_only_s": export_s, "flat_param_buffers": flat, "rows": []}
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}), flush=True)
     ctx = mp.get_context("spawn")
     peers = [(0, "ipc", buckets)]
-    if not cuda or torch.cuda.device_count() > 1:
+    if not args.one_copy and (not cuda or torch.cuda.device_count() > 1):
         nccl_buckets = [int(float(x) * 2**20) for x in args.nccl_buckets_mb.split(",")]
         peers.append((1 if cuda else 0, "nccl", nccl_buckets if cuda else buckets[:2]))
     for device_index, transport, sizes in peers:
@@ -244,11 +395,22 @@ def main() -> None:
         proc = ctx.Process(target=receiver_main, args=(shape, device_index, inbox, outbox))
         proc.start()
         try:
-            for bucket in sizes:
-                runs = [time_sync(make_sender(transport, 2, bucket, SYNC_TIMEOUT_S, device=_device(0)), bridge,
-                                  chunks, inbox, outbox) for _ in range(args.repeats)]
+            for bucket, one_copy in [(b, o) for b in sizes for o in ((False, True) if args.one_copy else (False,))]:
+                kw = {"one_copy": True} if one_copy else {}
+                try:
+                    runs = [time_sync(make_sender(transport, 2, bucket, SYNC_TIMEOUT_S, device=_device(0), **kw),
+                                      bridge, chunks, inbox, outbox) for _ in range(args.repeats)]
+                except Exception as error:  # the next rows still run
+                    traceback.print_exc()
+                    with contextlib.suppress(Exception):
+                        outbox.get(timeout=SYNC_TIMEOUT_S)  # the receiver's failure report
+                    result["rows"].append({"transport": transport + (" one-copy" if one_copy else ""),
+                                           "receiver_device": device_index, "error": f"{type(error).__name__}: "
+                                                                                    f"{error}"})
+                    continue
                 best = min(runs, key=lambda r: r["seconds"])
-                row = {"transport": transport, "receiver_device": device_index, "bucket_mb": bucket / 2**20,
+                row = {"transport": transport + (" one-copy" if one_copy else ""), "receiver_device": device_index,
+                       "bucket_mb": bucket / 2**20,
                        **best, "gb_s": total / best["seconds"] / 1e9, "ratio_vs_copy": copy_s / best["seconds"],
                        "all_seconds": [r["seconds"] for r in runs],
                        "checksum_ok": abs(best["embed_sum"] - expected_sum) <= 1e-3 * max(1.0, abs(expected_sum))}
@@ -261,6 +423,8 @@ def main() -> None:
         finally:
             inbox.put(None)
             proc.join(timeout=120)
+    if args.one_copy and not args.no_vllm:
+        result["rows"].extend(time_vllm(args, folder, bridge, chunks, total, copy_s))
     print_table(result)
     if args.out:
         with open(args.out, "w") as f:
@@ -268,6 +432,10 @@ def main() -> None:
 
 
 def print_table(result: dict[str, Any]) -> None:
+    failed = [r for r in result["rows"] if "error" in r and "seconds" not in r]
+    result = {**result, "rows": [r for r in result["rows"] if r not in failed]}
+    for r in failed:
+        print(f"FAILED {r['transport']} into {r['receiver_device']}: {r['error']}")
     gb = result["bytes"] / 1e9
     print(f"\n{result['device']}: {gb:.2f} GB of weights; one device copy {result['copy_s'] * 1e3:.1f} ms "
           f"({result['copy_gb_s']:.0f} GB/s); export alone {result['export_only_s'] * 1e3:.1f} ms")
@@ -278,8 +446,19 @@ def print_table(result: dict[str, Any]) -> None:
         raw = f"{r['ratio_vs_raw_broadcast']:.2f}" if "ratio_vs_raw_broadcast" in r else ""
         print(f"| {r['transport']} | dev {r['receiver_device']} | {r['bucket_mb']:g} | {r['setup_s']:.3f} | "
               f"{r['seconds']:.4f} | {r['gb_s']:.1f} | {r['ratio_vs_copy']:.3f} | {raw} | {r['teardown_s']:.3f} | "
-              f"{r['received']}/{r['tensors']} | "
+              f"{r.get('received', '-')}/{r['tensors']} | "
               f"{'ok' if r['checksum_ok'] else 'MISMATCH'} |")
+    for r in result["rows"]:
+        if r.get("shared"):
+            print(f"{r['transport']} ({r['receiver_device']}): buckets and storage handles shared, the receiver's "
+                  f"mappings and host seconds mapping / unmapping, best sync: {r['shared']}")
+    for r in result["rows"]:
+        if "rpc_s" in r:
+            print(f"{r['transport']} into vLLM: engine call returned after {r['rpc_s'] * 1e3:.1f} ms "
+                  f"(÷ copy rate {r['rpc_ratio_vs_copy']:.3f}); load stats {r['load_stats']}; "
+                  f"all runs {[round(x * 1e3, 1) for x in r['all_seconds']]} ms"
+                  + (f"; mismatched {r['mismatched']}" if r["mismatched"] else "")
+                  + (f"; error {r['error']}" if "error" in r else ""))
     for r in result["rows"]:
         if "kept_group_setup_s" in r:
             print(f"nccl, bucket {r['bucket_mb']:g} MB, group kept from the previous sync: setup "

@@ -1,0 +1,172 @@
+"""One-copy loading into a vLLM model: each HF-named tensor is copied straight into the part of the engine parameter
+that the model's own `load_weights` would write (weight_sync.one_copy; mrl/weight_sync/handles.py brings the
+tensors as views of the trainer's memory).
+
+The destinations come from the model itself: `packed_modules_mapping` names the HF shards of a fused module
+(qkv_proj ← q/k/v, gate_up_proj ← gate/up) and the layer's `output_partition_sizes`, TP rank and KV-head replicas
+give each shard's rows in the parameter and the rows of the full tensor that belong to this rank, as vLLM's
+weight loaders compute them. Only layers without post-load processing qualify (`direct_loadable`: CUDA, unquantized
+linear and embedding methods); any tensor without a destination goes through `model.load_weights`, which on such a
+model is also one copy per tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mrl.weight_sync.buckets import in_full_shape
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Rows `start … start+length` along `dim` of parameter `param` receive rows `src_start …` of the full HF tensor
+    along the same dim (`length` None: the whole parameter takes the whole tensor). `zero_rest`: the parameter's
+    rows past the tensor are padding the loader zeroes (vocabulary)."""
+
+    param: str
+    dim: int | None = None
+    start: int = 0
+    length: int | None = None
+    src_start: int = 0
+    zero_rest: bool = False
+
+    def source(self, tensor: torch.Tensor, tp_slice: list | None = None) -> torch.Tensor | None:
+        """This rank's part of the full tensor, or of a TP slice [dim, rank, size] of it (None if the slice does not
+        hold it)."""
+        if self.dim is None or self.length is None:
+            return None if tp_slice else tensor
+        if self.zero_rest and tensor.shape[self.dim] != self.length:
+            return None  # not the unpadded vocabulary: the loader's own check reports it
+        start = self.src_start
+        if tp_slice:
+            dim, rank, _ = tp_slice
+            first = rank * tensor.shape[dim]
+            if dim != self.dim or not first <= start <= start + self.length <= first + tensor.shape[dim]:
+                return None
+            start -= first
+        return tensor.narrow(self.dim, start, self.length)
+
+    def view(self, param: torch.Tensor) -> torch.Tensor:
+        return param if self.dim is None or self.length is None else param.narrow(self.dim, self.start, self.length)
+
+
+def direct_loadable(model: torch.nn.Module) -> str | None:
+    """None if every layer of `model` loads by a plain copy with no post-load processing; else why not."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return f"platform {current_platform.device_type}: its unquantized layers repack weights after loading"
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and not isinstance(method, UnquantizedLinearMethod | UnquantizedEmbeddingMethod):
+            return f"layer {name} uses {type(method).__name__} (post-load processing)"
+    return None
+
+
+def _shards(layer: Any, leaf_name: str, packed: dict[str, list[str]]) -> list[tuple[str, int, int, int]] | None:
+    """(HF module name, offset, length, source start) of each shard of a fused column-parallel layer, this rank."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+
+    parts = packed.get(leaf_name)
+    sizes = list(getattr(layer, "output_partition_sizes", []))
+    if not parts or len(parts) != len(sizes):
+        return None
+    out, offset = [], 0
+    for i, (part, size) in enumerate(zip(parts, sizes)):
+        if isinstance(layer, QKVParallelLinear):
+            shard_rank = layer.tp_rank if i == 0 else layer.tp_rank // layer.num_kv_head_replicas
+        elif isinstance(layer, MergedColumnParallelLinear):
+            shard_rank = layer.tp_rank
+        else:
+            return None
+        out.append((part, offset, size, shard_rank * size))
+        offset += size
+    return out
+
+
+def destination_map(model: torch.nn.Module) -> dict[str, Destination]:
+    """HF tensor name → its destination in `model` (only the tensors whose loader is a plain narrowed copy)."""
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        ReplicatedLinear,
+        RowParallelLinear,
+    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    modules = dict(model.named_modules())
+    out: dict[str, Destination] = {}
+    for pname, param in model.named_parameters():
+        module_name, _, leaf = pname.rpartition(".")
+        layer = modules.get(module_name)
+        prefix, _, own = module_name.rpartition(".")
+        out_dim = getattr(param, "output_dim", None)
+        if isinstance(layer, QKVParallelLinear | MergedColumnParallelLinear):
+            shards = _shards(layer, own, packed)
+            if shards is None or out_dim is None:
+                continue
+            for part, offset, size, src in shards:
+                hf = f"{prefix}.{part}.{leaf}" if prefix else f"{part}.{leaf}"
+                out[hf] = Destination(pname, out_dim, offset, size, src)
+        elif isinstance(layer, VocabParallelEmbedding):
+            if layer.tp_size == 1 and leaf == "weight":
+                out[pname] = Destination(pname, 0, 0, layer.org_vocab_size, 0, zero_rest=True)
+        elif isinstance(layer, ColumnParallelLinear):
+            if layer.tp_size == 1 or out_dim is None:
+                out[pname] = Destination(pname)
+            else:
+                size = param.shape[out_dim]
+                out[pname] = Destination(pname, out_dim, 0, size, layer.tp_rank * size)
+        elif isinstance(layer, RowParallelLinear):
+            in_dim = getattr(param, "input_dim", None)
+            if layer.tp_size == 1 or in_dim is None:
+                out[pname] = Destination(pname)  # a row-parallel bias is whole on every rank
+            else:
+                size = param.shape[in_dim]
+                out[pname] = Destination(pname, in_dim, 0, size, layer.tp_rank * size)
+        elif isinstance(layer, ReplicatedLinear | RMSNorm):
+            out[pname] = Destination(pname)
+    return out
+
+
+class DirectLoader:
+    """Loads buckets of (name, tensor[, tp_slice]) by copying into destination views; the rest through
+    `model.load_weights`. Counts tensors and bytes of each way."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.params = dict(model.named_parameters())
+        self.map = destination_map(model)
+        self.stats = {"direct_tensors": 0, "direct_bytes": 0, "loader_tensors": 0, "loader_bytes": 0}
+
+    def load(self, named: list[tuple]) -> None:
+        rest = []
+        for name, tensor, *tp_slice in named:
+            dest = self.map.get(name)
+            src = dest.source(tensor, tp_slice[0] if tp_slice else None) if dest is not None else None
+            nbytes = tensor.numel() * tensor.element_size()
+            if src is None:
+                rest.append((name, in_full_shape(tensor, *tp_slice[0]) if tp_slice else tensor))
+                self.stats["loader_tensors"] += 1
+                self.stats["loader_bytes"] += nbytes
+                continue
+            param = self.params[dest.param].data
+            param_view = dest.view(param)
+            if param_view.shape != src.shape:
+                raise ValueError(f"one-copy load: {name} {tuple(src.shape)} does not fit {dest.param}"
+                                 f"{tuple(param_view.shape)} at {dest}")
+            param_view.copy_(src, non_blocking=True)
+            if dest.zero_rest and param.shape[0] > dest.start + src.shape[0]:
+                param[dest.start + src.shape[0]:].zero_()
+            self.stats["direct_tensors"] += 1
+            self.stats["direct_bytes"] += nbytes
+        if rest:
+            self.model.load_weights(weights=rest)

@@ -1,0 +1,70 @@
+"""The one-copy sender's bookkeeping (mrl/weight_sync/handles.py `share_buckets`), with CPU tensors and a recording
+`share` (CUDA IPC itself runs in tests/gpu): a storage its tensors only view (a contiguous parameter buffer) is
+shared once per sync however many buckets use it; a storage a tensor fills (the export's own tensors) is shared
+in its bucket, marked transient, and shared again if a later bucket needs it; entries describe each tensor as a
+strided view of its storage, which the receiver's `view_of` turns back into the tensor; a bucket's tensors are held
+until the ring slot is reused; small tensors of their own storage travel in one staging tensor per bucket."""
+
+import base64
+
+import torch
+
+from bridges.export import TpSlice
+from mrl.weight_sync.handles import share_buckets, view_of
+
+
+class Recorder:
+    """A `share` that keeps each shared storage (as the receiver would map it) under its handle."""
+
+    def __init__(self) -> None:
+        self.storages: list[torch.Tensor] = []
+
+    def __call__(self, storage_bytes: torch.Tensor) -> bytes:
+        self.storages.append(storage_bytes)
+        return str(len(self.storages) - 1).encode()
+
+    def mapped(self, meta: dict) -> dict[int, torch.Tensor]:
+        return {int(i): self.storages[int(base64.b64decode(h))] for i, h in meta["storages"].items()}
+
+
+def test_buckets_share_kept_storages_once_and_transient_ones_per_bucket():
+    flat = torch.arange(64.0)  # Megatron's parameter buffer: every parameter a view
+    own = torch.ones(4, 4)  # a tensor the export created
+    stream = [("a", flat[:16].view(4, 4)), ("q", own), ("b", flat[16:32].view(4, 4).t()),
+              ("c", flat[32:48].view(4, 4), TpSlice(0, 1, 2)), ("q2", own.view(2, 8))]
+    share, reused, held = Recorder(), [], [[], []]
+    counts: dict = {}
+    buckets = list(share_buckets(iter(stream), 2 * 64, lambda k: reused.append(k), held, counts, share,
+                                 stage_below=0))
+    shared = [t.untyped_storage().data_ptr() for t in share.storages]
+    assert [len(m["entries"]) for _, m in buckets] == [2, 2, 1]  # 64 bytes a tensor, two per bucket
+    assert shared.count(flat.untyped_storage().data_ptr()) == 1  # kept: once for the sync
+    assert shared.count(own.untyped_storage().data_ptr()) == 2  # transient: in bucket 0 and again in bucket 2
+    assert counts == {"buckets": 3, "handles": 3}
+    (_, m0), (_, m1), (_, m2) = buckets
+    assert m0["transient"] == [1] and m1["transient"] == [] and m2["transient"] == [2]
+    assert set(m0["storages"]) == {"0", "1"} and m1["storages"] == {} and set(m2["storages"]) == {"2"}
+    mapped = {**share.mapped(m0), **share.mapped(m2)}
+    got = {e[0]: view_of(mapped[e[5]], e) for _, m in buckets for e in m["entries"]}
+    assert all(torch.equal(got[item[0]], item[1]) for item in stream)
+    assert m1["entries"][0] == ["b", "float32", [4, 4], [1, 4], 16, 0]  # a transposed view at its offset
+    assert m1["entries"][1] == ["c", "float32", [4, 4], [4, 1], 32, 0, [0, 1, 2]]
+    assert m2["entries"][0] == ["q2", "float32", [2, 8], [8, 1], 0, 2]
+    assert reused == [2, 3]  # bucket 2 reuses bucket 0's slot, the end bucket 1's
+    # a slot's tensors are dropped once its bucket was waited for; the last bucket's stay until the sender's end
+    assert [t.shape for t in held[0]] == [(2, 8)] and held[1] == []
+
+
+def test_small_tensors_of_their_own_travel_in_one_staging_tensor_per_bucket():
+    flat = torch.arange(32.0)
+    stream = [("w", flat[:16].view(4, 4)), ("bias", torch.full((3,), 2.0)), ("q", torch.randn(2, 4).t()),
+              ("big", torch.randn(64))]
+    share, held = Recorder(), [[], []]
+    (_, meta), = share_buckets(iter(stream), 1 << 20, lambda k: None, held, None, share, stage_below=128)
+    assert len(share.storages) == 3  # the buffer, one staging tensor (bias, q), big (256 bytes: its own)
+    entries = {e[0]: e for e in meta["entries"]}
+    assert entries["bias"][5] == entries["q"][5] and entries["q"][3] == [2, 1]  # staged contiguous
+    assert sorted(meta["transient"]) == sorted({entries["q"][5], entries["big"][5]})
+    mapped = share.mapped(meta)
+    for name, tensor in stream:
+        assert torch.equal(view_of(mapped[entries[name][5]], entries[name]), tensor), name
