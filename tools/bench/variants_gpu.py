@@ -33,9 +33,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         "variants": {
             "off": [],
             "tis_token": [f"{RC}rollout_is=token", f"{RC}rollout_is_threshold=2.0"],
-            # IcePop's bounds are tight enough to act on random weights, whose bf16 mismatch is small (ρ_t ≲ e^0.2).
-            "icepop": [f"{RC}rollout_is=token", f"{RC}rollout_rs=token", f"{RC}rollout_is_threshold=1.1",
-                       f"{RC}rollout_rs_threshold=1.1"],
+            "tis_sequence": [f"{RC}rollout_is=sequence", f"{RC}rollout_is_threshold=2.0"],
+            # Bounds tight enough to act on random weights: at 0.5B in bf16 the token weights stayed within
+            # 0.95–1.07 and a sequence's geometric mean within ~1 ± 0.001 (H200, 2026-12-02).
+            "rs_geometric": [f"{RC}rollout_rs=geometric", f"{RC}rollout_rs_threshold=1.0005"],
+            "icepop": [f"{RC}rollout_is=token", f"{RC}rollout_rs=token", f"{RC}rollout_is_threshold=1.03",
+                       f"{RC}rollout_rs_threshold=1.03"],
             "decoupled": [f"{RC}use_decoupled_loss=true", f"{RC}behav_imp_weight_cap=2.0"],
         },
     },
