@@ -31,8 +31,12 @@ STAGES=("$@"); [[ ${#STAGES[@]} == 0 ]] && STAGES=(sleep learn bench05 peak asyn
 for stage in "${STAGES[@]}"; do
   start=$(date +%s)
   echo "=== $stage ($(date -u +%H:%M:%S))" | tee -a "$DIR/summary.txt"
+  touch "$DIR/.stage_start"
   timeout "${LIMIT[$stage]}" bash -c "${CMD[$stage]}" > "$DIR/$stage.log" 2>&1
   rc=$?
+  # The engines and workers log into Ray's session folder, not the stage's log: keep the tails of this stage's.
+  find /tmp/ray/session_latest/logs -name '*.err' -newer "$DIR/.stage_start" -size +0 -exec tail -n 60 {} + \
+    > "$DIR/$stage.ray.log" 2>/dev/null
   pkill -9 -f "vllm|ray::|raylet|gcs_server|EngineCore" > /dev/null 2>&1; sleep 3  # a stage killed at its limit leaves its engine
   echo "=== $stage rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$DIR/summary.txt"
   grep -E "passed|failed|error|ratios|^== |Error|assert|direct/path|direct \\||client \\||agent x" "$DIR/$stage.log" | tail -n 8 >> "$DIR/summary.txt"
