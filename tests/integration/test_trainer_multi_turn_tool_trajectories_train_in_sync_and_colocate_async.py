@@ -9,6 +9,7 @@ aborted for a weight sync continue on the new weights (min_version < max_version
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import pytest
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.integration
 
 # LONG: the budget the long last turns run to (LONG_ASYNC in the colocate_async run).
 B, N, STEPS, VOCAB, LONG, LONG_ASYNC, TURNS = 2, 2, 2, 512, 192, 1024, 3
+SHORT_DELAY_S = 1.0
 # The prompts of the first batch the dataloader draws (data.seed=1) are the short ones; every other prompt's
 # last turn runs to the budget. So the colocate_async producer's first four groups are two short ones, which fill
 # step 1, and two long ones still generating at its abort; the groups admitted after the sync are long too, so the
@@ -40,13 +42,22 @@ class CallPythonEveryTurn:
 
 
 class ShortTurnsThenLong(ToolAgentLoop):
-    """One-token turns (every id stops); prompts outside SHORT make their last turn run to the budget."""
+    """One-token turns (every id stops); prompts outside SHORT make their last turn run to the budget. A SHORT
+    prompt's last tool answer comes SHORT_DELAY_S late: otherwise the short groups could complete step 1 while the
+    long ones were still in their second tool call, and the abort found nothing in the engine (seen on CI)."""
 
     def turn_sampling(self, sample, sampling, traj):
         last = traj.num_turns == self.toolbox.max_turns - 1
-        if last and sample["extra_info"]["index"] not in SHORT:
+        if sample["extra_info"]["index"] in SHORT:
+            self.short = {*getattr(self, "short", ()), id(traj)}
+        elif last:
             return {**sampling, "ignore_eos": True}
         return {**sampling, "stop_token_ids": list(range(VOCAB))}
+
+    async def _answer(self, session_id, call, traj):
+        if id(traj) in getattr(self, "short", ()) and traj.tool_calls == TURNS - 2:  # the call before the last turn
+            await asyncio.sleep(SHORT_DELAY_S)
+        return await super()._answer(session_id, call, traj)
 
 
 OVERRIDES = [
