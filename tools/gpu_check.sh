@@ -5,13 +5,21 @@
 # Usage: bash tools/gpu_check.sh [DIR] [STAGE ...]   (stages: sleep learn bench05 peak async bench15 engine;
 # also, when named: genlayers, the generation gap layer by layer at the 1.5B shape, tools/bench/gen_overhead.py;
 # corr and lora, tools/bench/variants_gpu.py's presets; moe, R3 with vLLM; onecopy, weight_sync.one_copy's tests
-# and its 7B bench)
+# and its 7B bench). STAGE:SECONDS overrides a stage's time limit (a tight device lease);
+# ARGS_<stage> in the environment is appended to the stage's command, e.g. ARGS_corr="--only off,decoupled".
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 DIR="${1:-/tmp/mrl_gpu}"; shift || true
 mkdir -p "$DIR"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 RAY_AUTH_MODE=disabled
 T=tests/gpu
+# Every Python process of a stage (the stage itself, Ray's workers, vLLM's engine cores) prints its threads' stacks
+# on SIGUSR1 and when terminated: a stage that hits its limit is signalled before it is killed, so its logs say
+# where each process waited.
+mkdir -p "$DIR/diag"
+printf '%s\n' 'import faulthandler, signal' 'faulthandler.register(signal.SIGUSR1, all_threads=True)' \
+  'faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)' > "$DIR/diag/sitecustomize.py"
+export PYTHONPATH="$DIR/diag:${PYTHONPATH:-}"
 declare -A CMD=(
   [sleep]="python3 -m pytest $T/test_vllm_sleep_frees_its_reservation_and_wake_restores_it.py -q -s --timeout=300"
   [learn]="python3 -m pytest $T/test_hybrid_grpo_learns_on_gpu_and_every_sync_lands_bit_for_bit.py -q -s --timeout=600"
@@ -28,14 +36,19 @@ declare -A CMD=(
 )
 declare -A LIMIT=([sleep]=300 [learn]=600 [bench05]=480 [peak]=600 [async]=400 [bench15]=600 [engine]=300 [genlayers]=600 [corr]=600 [lora]=600 [moe]=480 [onecopy]=600)
 STAGES=("$@"); [[ ${#STAGES[@]} == 0 ]] && STAGES=(sleep learn bench05 peak async bench15 engine)
-for stage in "${STAGES[@]}"; do
+for named in "${STAGES[@]}"; do
+  stage=${named%%:*}; limit=${LIMIT[$stage]}; [[ $named == *:* ]] && limit=${named##*:}
   start=$(date +%s)
   echo "=== $stage ($(date -u +%H:%M:%S))" | tee -a "$DIR/summary.txt"
   touch "$DIR/.stage_start"
-  timeout "${LIMIT[$stage]}" bash -c "${CMD[$stage]}" > "$DIR/$stage.log" 2>&1
+  extra="ARGS_$stage"
+  timeout "$limit" bash -c "${CMD[$stage]} ${!extra:-}" > "$DIR/$stage.log" 2>&1
   rc=$?
-  # The engines and workers log into Ray's session folder, not the stage's log: keep the tails of this stage's.
-  find /tmp/ray/session_latest/logs -name '*.err' -newer "$DIR/.stage_start" -size +0 -exec tail -n 60 {} + \
+  lines=60
+  if [[ $rc == 124 ]]; then pkill -USR1 -f "ray::|EngineCore" > /dev/null 2>&1; sleep 3; lines=400; fi
+  # The engines and workers log into Ray's session folder, not the stage's log: keep the tails of this stage's
+  # (vLLM's own log, its throughput lines included, goes to the workers' stdout, the .out files).
+  find /tmp/ray/session_latest/logs \( -name '*.err' -o -name '*.out' \) -newer "$DIR/.stage_start" -size +0 -exec tail -n "$lines" {} + \
     > "$DIR/$stage.ray.log" 2>/dev/null
   pkill -9 -f "vllm|ray::|raylet|gcs_server|EngineCore" > /dev/null 2>&1; sleep 3  # a stage killed at its limit leaves its engine
   echo "=== $stage rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$DIR/summary.txt"

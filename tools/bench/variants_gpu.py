@@ -10,6 +10,7 @@ Presets (each variant is a list of overrides on top of e2e_gpu's):
   memory, bytes per sync, sync seconds).
 
     python tools/bench/variants_gpu.py --preset correction --json /tmp/corr.json
+    python tools/bench/variants_gpu.py --preset lora --only full,lora_adapter --batch 8
     python tools/bench/variants_gpu.py --shape 0.5b --variant off= \\
         --variant tis=algorithm.rollout_correction.rollout_is=token
 """
@@ -77,6 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS))
     parser.add_argument("--variant", action="append", default=[], help="name=override,override (repeatable)")
+    parser.add_argument("--only", help="comma-separated variant names: run just these, in this order")
     parser.add_argument("--shape", help="default: the preset's")
     parser.add_argument("--response-length", type=int, default=256)
     parser.add_argument("--batch", type=int, default=16)
@@ -91,6 +93,11 @@ def main() -> None:
     args.offload = []
     preset = PRESETS.get(args.preset, {"shape": "0.5b", "keys": CUSTOM_KEYS, "variants": {}})
     variants = dict(preset["variants"]) | dict(parse_variant(v) for v in args.variant)
+    if args.only:
+        unknown = [name for name in args.only.split(",") if name not in variants]
+        if unknown:
+            parser.error(f"--only: no variant {unknown} (known: {', '.join(variants)})")
+        variants = {name: variants[name] for name in args.only.split(",")}
     shape = args.shape or preset["shape"]
 
     from mrl.config.loader import load_config

@@ -275,7 +275,11 @@ def time_vllm(args: Any, folder: str, bridge: Any, chunks: Any, total: int, copy
 
     cuda = torch.cuda.is_available()
     start = time.perf_counter()
-    extra = {"gpu_memory_utilization": args.vllm_util} if cuda else {"distributed_executor_backend": UNIPROC_EXECUTOR}
+    # vLLM-CPU reads gpu_memory_utilization as the share of the host's memory to reserve (default 0.92: more than a
+    # shared CI machine has free).
+    extra = {"gpu_memory_utilization": args.vllm_util}
+    if not cuda:
+        extra["distributed_executor_backend"] = UNIPROC_EXECUTOR
     llm = LLM(model=folder, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024,
               enforce_eager=True, enable_sleep_mode=cuda, worker_extension_cls=WORKER_EXTENSION, seed=0, **extra)
     print(f"vLLM started in {time.perf_counter() - start:.1f} s", flush=True)
