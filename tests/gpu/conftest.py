@@ -19,3 +19,10 @@ def gpu_ray():
                  _node_ip_address="127.0.0.1", runtime_env={"env_vars": env})
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def vllm_spawns_its_engine_core(monkeypatch):
+    """A vLLM engine started in the test process (LLM, AsyncLLM) must spawn its engine core: the session's tests
+    initialise CUDA in this process, and a forked engine core cannot use it."""
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")

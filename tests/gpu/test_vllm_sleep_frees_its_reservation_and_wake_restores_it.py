@@ -39,11 +39,8 @@ async def cycle(model: str) -> dict[str, float]:
     return out
 
 
-def test_sleep_frees_at_least_90_percent_and_wake_restores(tmp_path, monkeypatch):
+def test_sleep_frees_at_least_90_percent_and_wake_restores(tmp_path):
     from mrl.models.tiny import make_tiny_hf_model
-
-    # Earlier tests of the session initialised CUDA in this process: a forked engine core could not use it.
-    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
     model = str(make_tiny_hf_model("qwen2", tmp_path / "m", vocab_size=4096, hidden_size=512, num_hidden_layers=4))
     m = asyncio.run(cycle(model))

@@ -83,9 +83,6 @@ def test_one_copy_sync_lands_bit_for_bit_in_a_live_vllm_and_again_after_a_level_
 
     from mrl.weight_sync import handles
 
-    # CUDA is initialised in this process before the engine starts (pytest's session), so a forked engine core
-    # could not use it: vLLM must spawn it.
-    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     Qwen2Config(**SHAPE, max_position_embeddings=512, torch_dtype="bfloat16").save_pretrained(tmp_path)
     llm = LLM(model=str(tmp_path), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               max_model_len=256, enforce_eager=True, gpu_memory_utilization=0.15, enable_sleep_mode=True,

@@ -94,10 +94,10 @@ def main() -> None:
     preset = PRESETS.get(args.preset, {"shape": "0.5b", "keys": CUSTOM_KEYS, "variants": {}})
     variants = dict(preset["variants"]) | dict(parse_variant(v) for v in args.variant)
     if args.only:
-        unknown = [name for name in args.only.split(",") if name not in variants]
-        if unknown:
+        names = args.only.split(",")
+        if unknown := [name for name in names if name not in variants]:
             parser.error(f"--only: no variant {unknown} (known: {', '.join(variants)})")
-        variants = {name: variants[name] for name in args.only.split(",")}
+        variants = {name: variants[name] for name in names}
     shape = args.shape or preset["shape"]
 
     from mrl.config.loader import load_config
