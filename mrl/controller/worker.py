@@ -2,15 +2,16 @@
 
 Rank, world size and the torch.distributed rendezvous come from the environment the group sets
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). Rank 0 is created first; if no MASTER_PORT was given
-it picks a free port on MASTER_ADDR (127.0.0.1 unless the group says otherwise), writes it back into its own
-environment, and the group passes the pair to every other rank. So `torch.distributed.init_process_group()`
-with the default env:// method works in every worker.
+it starts the rendezvous store's server on a port the OS picks on MASTER_ADDR (127.0.0.1 unless the group says
+otherwise), writes the port back into its own environment, and the group passes the pair to every other rank.
+Every rank joins with the default env:// method: rank 0's env:// store is multi-tenant, so it reuses the server
+this process already runs on that port, and no other process can take the port between its choice and
+`init_process_group()`.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,11 +21,20 @@ from mrl.controller.mesh import DeviceMesh
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 
 
-def free_port(addr: str = DEFAULT_MASTER_ADDR) -> int:
-    """A port the OS reports free on addr now (another process may still take it before it is bound)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
+_held_store: Any = None  # rank 0's TCPStore server, bound since the port was chosen
+
+
+def serve_rendezvous(addr: str, world_size: int) -> int:
+    """Start this process's torch.distributed store server on a port the OS picks on addr; return the port.
+
+    Bound at once: in CI a port merely reported free was taken by another process on the host before rank 0
+    reached `init_process_group()`, which then failed with EADDRINUSE.
+    """
+    global _held_store
+    import torch.distributed as dist
+
+    _held_store = dist.TCPStore(addr, 0, world_size, is_master=True, wait_for_workers=False, multi_tenant=True)
+    return int(_held_store.port)
 
 
 class Worker:
@@ -46,7 +56,7 @@ class Worker:
         if not env.get("MASTER_PORT"):
             if self._rank != 0:
                 raise RuntimeError(f"rank {self._rank}: MASTER_PORT is not set; only rank 0 may choose it")
-            env["MASTER_PORT"] = str(free_port(env["MASTER_ADDR"]))
+            env["MASTER_PORT"] = str(serve_rendezvous(env["MASTER_ADDR"], self._world_size))
         self._master_addr = env["MASTER_ADDR"]
         self._master_port = int(env["MASTER_PORT"])
         self._meshes: dict[str, DeviceMesh] = {}

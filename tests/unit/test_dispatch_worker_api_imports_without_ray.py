@@ -56,6 +56,36 @@ def test_non_master_rank_without_rendezvous_fails_clearly():
     assert out.returncode != 0 and "rank 1: MASTER_ADDR is not set" in out.stderr
 
 
+RANK0_SCRIPT = textwrap.dedent(
+    """
+    import socket
+    import torch.distributed as dist
+    import mrl.controller as c
+
+    w = c.Worker()
+    addr, port = w.master_addr_port
+    with socket.socket() as other:  # another process on the host asking for the chosen port
+        try:
+            other.bind((addr, port))
+        except OSError:
+            pass
+        else:
+            raise AssertionError(f"port {port} was free after rank 0 chose it")
+    dist.init_process_group("gloo")  # env:// on rank 0 reuses the server the worker holds
+    dist.barrier()
+    print("OK", port)
+    """
+)
+
+
+def test_rank0_holds_the_port_it_chose_until_init_process_group():
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env.update(RANK="0", WORLD_SIZE="1")
+    out = subprocess.run([sys.executable, "-c", RANK0_SCRIPT], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("OK")
+
+
 def test_nested_future_is_refused_instead_of_pickling_the_group():
     import pickle
 
