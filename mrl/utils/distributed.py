@@ -2,7 +2,8 @@
 
 For tests and tools on one machine. Each process gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT in
 its environment (so `mrl.engine.megatron.parallel.init_distributed()` needs no arguments) and one CPU thread,
-and calls `fn(rank, world_size, *args)`; the launcher returns the per-rank results in rank order.
+and calls `fn(rank, world_size, *args)`; the launcher returns the per-rank results in rank order. Rank 0 binds
+the port it hands the others, so nothing else on the host can take it before the rendezvous.
 """
 
 from __future__ import annotations
@@ -53,9 +54,12 @@ def _child(
     env: dict[str, str],
     results: Any,
     threads: int,
+    port: Any,
 ) -> None:
     os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    if "MASTER_PORT" not in env:
+        _share_rendezvous_port(rank, world_size, port)
     quiet_library_logs()
     # Many ranks share few cores; intra-op threads would oversubscribe them.
     torch.set_num_threads(threads)
@@ -63,6 +67,18 @@ def _child(
         results.put((rank, True, _encode(fn(rank, world_size, *args))))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
+
+
+def _share_rendezvous_port(rank: int, world_size: int, port: Any) -> None:
+    """Rank 0 starts the store server on a port the OS picks and publishes it; the others wait for it (a rank 0
+    that dies first makes the launcher stop them)."""
+    if rank == 0:
+        from mrl.controller.worker import serve_rendezvous
+
+        port.value = serve_rendezvous(os.environ["MASTER_ADDR"], world_size)
+    while port.value == 0:
+        time.sleep(0.01)
+    os.environ["MASTER_PORT"] = str(port.value)
 
 
 def launch(
@@ -80,11 +96,12 @@ def launch(
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    base_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **(env or {})}
+    base_env = {"MASTER_ADDR": "127.0.0.1", **(env or {})}
+    port = ctx.Value("i", 0)
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, rank, world_size, args, base_env, results, threads_per_rank),
+            args=(fn, rank, world_size, args, base_env, results, threads_per_rank, port),
             name=f"mrl-rank{rank}",
             daemon=False,
         )
