@@ -76,6 +76,8 @@ class Plan:
     dtype: torch.dtype | None
     shape: ModelShape
     tp_size: int = 1
+    stage: int = 0  # this rank's pipeline stage
+    pp_size: int = 1
 
 
 def _describe(
@@ -134,11 +136,11 @@ def build_plan(bridge: Bridge, chunks: Sequence[torch.nn.Module], dtype: torch.d
             mine.append(unit)
     pp_size, tp_size = ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
     if pp_size == 1:
-        return Plan(mine, ep_size, local_experts, dtype, shape, tp_size)
+        return Plan(mine, ep_size, local_experts, dtype, shape, tp_size, stage, pp_size)
     per_stage: list[list[Unit] | None] = [None] * pp_size
     dist.all_gather_object(per_stage, mine, group=ps.get_pipeline_model_parallel_group())
     units = [u for stage_units in per_stage for u in stage_units or []]
-    return Plan(units, ep_size, local_experts, dtype, shape, tp_size)
+    return Plan(units, ep_size, local_experts, dtype, shape, tp_size, stage, pp_size)
 
 
 def sliceable(bridge: Bridge, unit: Unit, plan: Plan) -> bool:
@@ -178,7 +180,8 @@ def _copies(unit: Unit, plan: Plan) -> int:
     return plan.ep_size if unit.is_expert and unit.local_expert is not None else 1
 
 
-def _owned(bridge: Bridge, unit: Unit, local: dict[str, LocalTensor], plan: Plan, sliced: bool) -> list[torch.Tensor]:
+def _owned(bridge: Bridge, unit: Unit, local: dict[str, tuple[LocalTensor, Shard]], plan: Plan, sliced: bool,
+           ) -> list[torch.Tensor]:
     """On the owning stage: the unit's unsharded Megatron tensor(s), one per EP rank for experts (TP/EP gathers);
     `sliced`: this rank's TP shard as it is."""
     from megatron.core import parallel_state as ps
@@ -187,8 +190,7 @@ def _owned(bridge: Bridge, unit: Unit, local: dict[str, LocalTensor], plan: Plan
     own = unit.name
     if unit.is_expert and unit.local_expert is not None:
         own = with_expert(own, unit.indices[-1] + ps.get_expert_model_parallel_rank() * plan.local_experts)
-    tensor = local[own]
-    shard = bridge.shard_of(tensor)
+    tensor, shard = local[own]
     # A parameter may name what is exported in its place (LoRA: the base weight merged with its adapter).
     export_value = getattr(tensor.tensor, "export_value", None)
     full = export_value() if export_value is not None else tensor.tensor.detach()
@@ -202,7 +204,8 @@ def _owned(bridge: Bridge, unit: Unit, local: dict[str, LocalTensor], plan: Plan
 
 
 def _materialise(
-    bridge: Bridge, units: Sequence[Unit], local: dict[str, LocalTensor], plan: Plan, sliced: Sequence[bool]
+    bridge: Bridge, units: Sequence[Unit], local: dict[str, tuple[LocalTensor, Shard]], plan: Plan,
+    sliced: Sequence[bool],
 ) -> list[list[torch.Tensor]]:
     """The unsharded tensors (this rank's TP slices where `sliced`) of a bucket's units on every rank.
 
@@ -211,11 +214,11 @@ def _materialise(
     """
     from megatron.core import parallel_state as ps
 
-    stage = ps.get_pipeline_model_parallel_rank()
+    stage = plan.stage
     out: list[list[torch.Tensor] | None] = [
         _owned(bridge, unit, local, plan, cut) if unit.stage == stage else None for unit, cut in zip(units, sliced)
     ]
-    if ps.get_pipeline_model_parallel_world_size() == 1:
+    if plan.pp_size == 1:
         return out  # type: ignore[return-value]
     group = ps.get_pipeline_model_parallel_group()
     owners: dict[tuple[int, torch.dtype], list[int]] = {}
@@ -259,12 +262,10 @@ def _hf_tensors(
         tp, rank = plan.tp_size, ps.get_tensor_model_parallel_rank()
         shape = ModelShape(shape.num_heads // tp, shape.num_query_groups // tp, shape.head_dim)
         tag = (TpSlice(mapping.tp_dim, rank, tp),)  # type: ignore[arg-type]
-    for ep_rank, full in enumerate(fulls):
-        indices = unit.indices
-        if len(fulls) > 1:
-            indices = (*indices[:-1], indices[-1] + ep_rank * plan.local_experts)
-        for name, tensor in zip(mapping.export_names(indices), mapping.to_hf(full, shape)):
-            yield name, tensor if plan.dtype is None else tensor.to(plan.dtype), *tag
+    names = iter(unit.hf_names)  # every EP rank's HF names, in the order of `fulls`
+    for full in fulls:
+        for tensor in mapping.to_hf(full, shape):
+            yield next(names), tensor if plan.dtype in (None, tensor.dtype) else tensor.to(plan.dtype), *tag
 
 
 def export_stream(
@@ -308,7 +309,7 @@ def _walk(
     # the name index is built once per model like the plan; rebuilding it cost as much as the stream itself.
     local_key = ("local", tuple(id(c) for c in chunks))
     if local_key not in bridge._export_plans:
-        bridge._export_plans[local_key] = {t.name: t for t in bridge.local_tensors(chunks)}
+        bridge._export_plans[local_key] = {t.name: (t, bridge.shard_of(t)) for t in bridge.local_tensors(chunks)}
     local = bridge._export_plans[local_key]
     with torch.no_grad():
         for start, stop in bridge._export_plans[key]:
