@@ -15,7 +15,6 @@ left unset): engines' TP weight loaders narrow a full tensor to their rank's sli
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -70,7 +69,7 @@ def fill_buckets(
             raise ValueError(f"weight stream repeats tensor {name!r}")
         seen.add(name)
         total, done = tensor.numel() * tensor.element_size(), 0
-        src = functools.cache(lambda tensor=tensor: as_bytes(tensor))  # flattened only if the tensor is split
+        flat: torch.Tensor | None = None  # flattened only if the tensor is split
         meta = [name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
         tail = [[tp_slice[0].dim, tp_slice[0].rank, tp_slice[0].size]] if tp_slice else []
         while done < total or (total == 0 and done == 0):
@@ -85,7 +84,8 @@ def fill_buckets(
             if n == total and total:  # whole: one (possibly strided) copy straight into the bucket
                 dst.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach(), non_blocking=True)
             else:
-                dst.copy_(src()[done : done + n], non_blocking=True)
+                flat = as_bytes(tensor) if flat is None else flat
+                dst.copy_(flat[done : done + n], non_blocking=True)
             entries.append([*meta, start, n, done, total, *tail])
             used, done = start + n, done + n
             if total == 0:
