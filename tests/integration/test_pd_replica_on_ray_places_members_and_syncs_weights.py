@@ -8,12 +8,10 @@ Needs the `nixl` + `nixl-cu12` wheels (their UCX backend runs on CPU); skipped w
 
 from __future__ import annotations
 
-import random
-import socket
-
 import pytest
 import ray
 import torch
+from ports import free_ports
 
 from mrl.controller.resource_pool import RayResourcePool
 from mrl.models.tiny import build_tiny_hf_model, make_tiny_hf_model
@@ -29,20 +27,6 @@ PROMPT = [11, 57, 203, 88, 141, 9, 300, 42, 17, 250, 33, 401, 77, 5, 130, 260]
 GREEDY = {"temperature": 0, "max_tokens": 6, "seed": 0}
 
 
-def _free_port_pair() -> int:
-    """A base port whose successor is free too (one side-channel port per member)."""
-    for _ in range(100):
-        base = random.randint(20000, 40000)
-        try:
-            for port in (base, base + 1):
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
-
-
 def test_pd_replica_members_on_pool_slots_share_updates(ray_cluster, tmp_path):
     torch.set_num_threads(1)
     model_dir = str(make_tiny_hf_model("qwen2", tmp_path / "qwen2", seed=0))
@@ -50,7 +34,7 @@ def test_pd_replica_members_on_pool_slots_share_updates(ray_cluster, tmp_path):
     pd = PDSpec(transfer_backend="nixl")
     spec = ReplicaSpec(backend="vllm", model_path=model_dir, max_model_len=512)
     pool = RayResourcePool([pd.devices], use_gpu=False, cpus_per_slot=1)
-    replica = PDReplica(0, spec, pd, base_port=_free_port_pair())
+    replica = PDReplica(0, spec, pd, base_port=free_ports(2))
     pool_pg = pool.get_placement_groups()[0].id.hex()
     try:
         started = ray.get(replica.launch(pool), timeout=900)

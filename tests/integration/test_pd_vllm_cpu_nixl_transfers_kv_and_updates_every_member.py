@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 
 import pytest
 import torch
+from ports import free_ports
 
 from mrl.models.tiny import build_tiny_hf_model, make_tiny_hf_model
 from mrl.rollout.pd import LocalMember, PDRouter, PDSpec, vllm_kv_transfer_config
@@ -28,12 +28,6 @@ pytest.importorskip("nixl._api", reason="install nixl and nixl-cu12 (--no-deps) 
 
 PROMPT = [11, 57, 203, 88, 141, 9, 300, 42, 17, 250, 33, 401, 77, 5, 130, 260, 98, 64, 150, 222] * 2
 GREEDY = {"temperature": 0, "max_tokens": 8, "seed": 0}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _hf_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
@@ -56,7 +50,7 @@ def test_pd_router_on_vllm_cpu_with_nixl(tmp_path):
         adapters = []
         for role in ("prefill", "decode"):
             # The engine core and worker are spawned now and read the side-channel port from the environment.
-            os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_port())
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_ports())
             adapter = VLLMPDAdapter(model_dir, max_model_len=512, engine_kwargs={
                 "kv_transfer_config": vllm_kv_transfer_config(spec, role, "cpu")})
             await adapter.start()
