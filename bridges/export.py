@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from bridges.bridge import Bridge
 
 
+# This rank's tensors by canonical name, each with its shard (built once per model, like the plan).
+LocalIndex = dict[str, tuple[LocalTensor, Shard]]
+
 # Megatron-core's vocabulary-parallel tensors: engines split the (padded) vocabulary differently.
 VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -180,8 +183,7 @@ def _copies(unit: Unit, plan: Plan) -> int:
     return plan.ep_size if unit.is_expert and unit.local_expert is not None else 1
 
 
-def _owned(bridge: Bridge, unit: Unit, local: dict[str, tuple[LocalTensor, Shard]], plan: Plan, sliced: bool,
-           ) -> list[torch.Tensor]:
+def _owned(bridge: Bridge, unit: Unit, local: LocalIndex, plan: Plan, sliced: bool) -> list[torch.Tensor]:
     """On the owning stage: the unit's unsharded Megatron tensor(s), one per EP rank for experts (TP/EP gathers);
     `sliced`: this rank's TP shard as it is."""
     from megatron.core import parallel_state as ps
@@ -204,8 +206,7 @@ def _owned(bridge: Bridge, unit: Unit, local: dict[str, tuple[LocalTensor, Shard
 
 
 def _materialise(
-    bridge: Bridge, units: Sequence[Unit], local: dict[str, tuple[LocalTensor, Shard]], plan: Plan,
-    sliced: Sequence[bool],
+    bridge: Bridge, units: Sequence[Unit], local: LocalIndex, plan: Plan, sliced: Sequence[bool]
 ) -> list[list[torch.Tensor]]:
     """The unsharded tensors (this rank's TP slices where `sliced`) of a bucket's units on every rank.
 

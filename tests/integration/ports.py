@@ -17,7 +17,7 @@ def _ephemeral_start() -> int:
 
 def free_ports(count: int = 1) -> int:
     """The first of `count` consecutive ports that are free now, between Ray's worker ports and the ephemeral range."""
-    high = min(_ephemeral_start(), 65536) - count
+    high = _ephemeral_start() - count
     for _ in range(200):
         base = random.randint(20000, high)
         try:
