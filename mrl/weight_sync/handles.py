@@ -7,8 +7,9 @@ memory into its parameters: one device copy. Handles go this way round because v
 the engine's weights through cuMemCreate without a shareable handle type, which CUDA IPC cannot export.
 
 A bucket holds at most `bucket_bytes` of tensors (a larger tensor is a bucket alone); the sender keeps the bucket's
-tensors alive until every receiver acknowledged it (tensors the export created, e.g. split fused QKV, are freed
-then), so at most two buckets of fresh tensors are held (`share_buckets` says which storages stay mapped).
+tensors alive until every receiver acknowledged it, so at most two buckets of fresh tensors are held, and small
+fresh tensors (the export's split q/k/v, biases) are copied into a two-slot staging ring that stays mapped for the
+whole sync (`share_buckets` says which storages stay mapped and why that matters).
 Entries are `[name, dtype, shape, stride, offset, storage]` (+ `[dim, rank, size]` for a TP slice, as in
 buckets.py): `offset` in elements of `dtype` from the start of storage number `storage`, whose handle (base64 of
 `rollout_adapters.cuda_ipc.share_cuda_buffer`) came in the `storages` of this bucket or of an earlier one.
@@ -25,8 +26,10 @@ import torch
 
 from mrl.weight_sync.buckets import in_full_shape
 
-# Tensors of their own storage below this size travel in a per-bucket staging tensor (see share_buckets).
+# Tensors of their own storage below this size travel in the bucket's slot of the staging ring (see share_buckets).
 STAGE_BELOW = 64 << 20
+# The most bytes one ring slot stages (a bucket whose small fresh tensors would exceed it ends early).
+STAGE_SLOT_BYTES = 256 << 20
 
 
 def _align(n: int, to: int = 256) -> int:
@@ -49,30 +52,37 @@ def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
 def share_buckets(
     named_tensors: Iterable[tuple], bucket_bytes: int, before_reuse: Callable[[int], None], held: list[list],
     counts: dict[str, int] | None = None, share: Callable[[torch.Tensor], bytes] | None = None,
-    stage_below: int | None = None,
+    stage_below: int | None = None, ring: list[torch.Tensor] | None = None,
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """Group the stream into buckets of ≤ `bucket_bytes`; yield (bucket index, meta: entries, new storages).
     `held[k % len(held)]` keeps bucket k's tensors alive; it is cleared after `before_reuse(k)` (the transport's
     wait for the receivers of bucket k - len(held)). `counts` gets the buckets and storage handles shared.
 
-    torch's CUDA IPC counts one consumer per share, so every storage is shared once per mapping: a storage the
-    tensor does not fill (a view into e.g. Megatron's contiguous parameter buffer) is shared once per sync and
-    kept mapped by the receiver to the end; a storage the tensor fills (the export's own tensors, a parameter of
-    its own) is mapped for its bucket only (`transient`) and shared again should a later bucket need it. Such
-    tensors under `stage_below` bytes (default STAGE_BELOW; the export's split q/k/v, biases) are first copied
-    into one staging tensor per bucket: a few handles per sync instead of one per tensor (each costs both sides
-    tens of µs of host time).
+    torch's CUDA IPC counts one consumer per share, so every storage is shared once per mapping, and dropping a
+    mapping makes the receiver wait for every copy it has queued (torch synchronises its stream): a mapping
+    dropped per bucket would serialise the receiver's copies with its next bucket's work. So:
+    - a storage the tensor does not fill (a view into e.g. Megatron's contiguous parameter buffer) is shared once
+      per sync and kept mapped by the receiver to the end;
+    - a tensor that fills a storage of its own (the export's split q/k/v, biases) under `stage_below` bytes
+      (default STAGE_BELOW) is copied into the staging buffer of its bucket's slot, `ring[k % len(held)]`
+      (allocated on first use, STAGE_SLOT_BYTES or the bucket size if smaller; reused under the same
+      `before_reuse` as `held`; shared once per sync and kept mapped); the copy is queued at once, so such
+      tensors are not held;
+    - a larger one is mapped for its bucket only (`transient`) and shared again should a later bucket need it.
+    `ring` (default: a list of this call's own) lets the caller keep the staging buffers to the end of the sync.
     `share` (default: CUDA IPC, which needs every tensor on the device) makes a storage's handle."""
     from rollout_adapters.cuda_ipc import share_cuda_buffer
 
     cuda = share is None
     share = share or share_cuda_buffer
     stage_below = STAGE_BELOW if stage_below is None else stage_below
+    slot_bytes = min(bucket_bytes, STAGE_SLOT_BYTES)
+    ring = [] if ring is None else ring
     counts = {} if counts is None else counts
-    counts.update(buckets=0, handles=0)
+    counts.update(buckets=0, handles=0, staged_bytes=0)
     kept: dict[int, int] = {}  # storage address -> index, for the whole sync
-    k, used, entries, storages, transient, seen = 0, 0, [], {}, {}, set()
-    staged: list[tuple[list, torch.Tensor]] = []  # (entry, tensor) to copy into the bucket's staging tensor
+    ring_index: dict[int, int] = {}  # ring slot -> its storage index in this sync
+    k, used, staged, entries, storages, transient, seen = 0, 0, 0, [], {}, {}, set()
 
     def add_storage(t: torch.Tensor, keep: bool) -> int:
         index = counts["handles"] + len(storages)
@@ -80,28 +90,26 @@ def share_buckets(
         storages[str(index)] = base64.b64encode(share(_storage_bytes(t))).decode()
         return index
 
-    def stage() -> None:
-        offsets, total = [], 0
-        for _, t in staged:
-            offsets.append(total)
-            total = _align(total + t.numel() * t.element_size())
-        staging = torch.empty(total, dtype=torch.uint8, device=staged[0][1].device)
-        index = add_storage(staging, keep=False)
-        for (entry, t), offset in zip(staged, offsets):
-            n = t.numel() * t.element_size()
-            staging[offset:offset + n].view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
-            entry[3:6] = [_contiguous_strides(t.shape), offset // t.element_size(), index]
-        held[k % len(held)].append(staging)
-        staged.clear()
+    def stage(entry: list, t: torch.Tensor) -> None:
+        nonlocal staged
+        slot = k % len(held)
+        ring.extend([None] * (slot + 1 - len(ring)))
+        if ring[slot] is None:
+            ring[slot] = torch.empty(slot_bytes, dtype=torch.uint8, device=t.device)
+        if slot not in ring_index:
+            ring_index[slot] = add_storage(ring[slot], keep=True)
+        n = t.numel() * t.element_size()
+        ring[slot][staged:staged + n].view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
+        entry[3:6] = [_contiguous_strides(t.shape), staged // t.element_size(), ring_index[slot]]
+        staged = _align(staged + n)
+        counts["staged_bytes"] += n
 
     def flush() -> Iterator[tuple[int, dict[str, Any]]]:
-        nonlocal k, used, entries, storages, transient
-        if staged:
-            stage()
+        nonlocal k, used, staged, entries, storages, transient
         yield k, {"entries": entries, "storages": storages, "transient": sorted(transient.values())}
         counts["buckets"] += 1
         counts["handles"] += len(storages)
-        k, used, entries, storages, transient = k + 1, 0, [], {}, {}
+        k, used, staged, entries, storages, transient = k + 1, 0, 0, [], {}, {}
         if k >= len(held):
             before_reuse(k)
         held[k % len(held)] = []  # the receivers are done with the bucket this slot carried
@@ -114,20 +122,22 @@ def share_buckets(
         if cuda and t.device.type != "cuda":
             raise ValueError(f"weight_sync.one_copy: tensor {name!r} is on {t.device}, not on the CUDA device")
         nbytes = t.numel() * t.element_size()
-        if entries and used + nbytes > bucket_bytes:
-            yield from flush()
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        index = kept.get(key, transient.get(key))
         own = storage.nbytes() <= nbytes  # the tensor fills its storage
+        stageable = own and nbytes < stage_below and nbytes <= slot_bytes and key not in transient
+        if entries and (used + nbytes > bucket_bytes or (stageable and staged + nbytes > slot_bytes)):
+            yield from flush()
+        index = kept.get(key, transient.get(key))
         tail = [[tp_slice[0].dim, tp_slice[0].rank, tp_slice[0].size]] if tp_slice else []
         entry = [name, str(t.dtype).removeprefix("torch."), list(t.shape), list(t.stride()), t.storage_offset(),
                  index, *tail]
-        if index is None and own and nbytes < stage_below:
-            staged.append((entry, t))
-        elif index is None:
-            entry[5] = add_storage(t, keep=not own)
-        held[k % len(held)].append(t)
+        if index is None and stageable:
+            stage(entry, t)
+        else:
+            if index is None:
+                entry[5] = add_storage(t, keep=not own)
+            held[k % len(held)].append(t)
         entries.append(entry)
         used += nbytes
     if entries:
@@ -158,7 +168,8 @@ class HandleReader:
         self.keep_slices = keep_slices
         self._open: dict[int, torch.Tensor] = {}
         self._transient: list[int] = []
-        self.stats = {"mapped": 0, "map_s": 0.0, "unmap_s": 0.0}
+        # wait_s: host seconds waiting for the sender to announce a bucket (the sender is behind)
+        self.stats = {"mapped": 0, "map_s": 0.0, "unmap_s": 0.0, "wait_s": 0.0}
         HandleReader.last = self.stats
 
     def read(self, meta: dict[str, Any]) -> list[tuple]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -46,8 +47,9 @@ class IpcSender(WeightSender):
         super().__init__(*args, **kwargs)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.one_copy = one_copy and self.device.type == "cuda"
-        self.shared: dict[str, int] = {}  # one_copy: buckets and storage handles of the last sync
+        self.shared: dict[str, float] = {}  # one_copy: buckets, storage handles, staged bytes of the last sync
         self.buffers: list[torch.Tensor] = []
+        self.ring: list[torch.Tensor] = []  # one_copy: the staging ring (handles.share_buckets), kept to the end
         self._files: list[str] = []
         self.filled: list[Any] = []  # CUDA only: per buffer, recorded by the sender after a bucket's copies
         self.loaded: list[list[Any]] = []  # CUDA only: per buffer and receiver, recorded after its loads
@@ -78,16 +80,19 @@ class IpcSender(WeightSender):
         c = self.control
         receivers = range(1, self.world_size)
 
+        waited = [0.0]  # host seconds waiting for acknowledgements (the receivers are behind)
+
         def before_reuse(k: int) -> None:
-            old = k - NUM_BUFFERS
+            old, start = k - NUM_BUFFERS, time.perf_counter()
             c.wait(f"bucket {old} acknowledged", {r: c.key("ack", old, r) for r in receivers})
+            waited[0] += time.perf_counter() - start
             for event in self.loaded[k % NUM_BUFFERS] if self.loaded else ():
                 torch.cuda.current_stream(self.device).wait_event(event)
 
         if self.one_copy:
             held: list[list] = [[] for _ in range(NUM_BUFFERS)]
             buckets = ((k, k % NUM_BUFFERS, meta) for k, meta in share_buckets(
-                named_tensors, self.bucket_bytes, before_reuse, held, self.shared))
+                named_tensors, self.bucket_bytes, before_reuse, held, self.shared, ring=self.ring))
         else:
             buckets = ((k, slot, {"entries": entries}) for k, slot, entries, _ in fill_buckets(
                 named_tensors, self.buffers, before_reuse))
@@ -105,10 +110,12 @@ class IpcSender(WeightSender):
             c.wait(f"bucket {old} acknowledged", {r: c.key("ack", old, r) for r in receivers})
             for event in self.loaded[old % NUM_BUFFERS] if self.one_copy else ():
                 torch.cuda.current_stream(self.device).wait_event(event)  # before the bucket's tensors are freed
+        if self.one_copy:
+            self.shared["ack_wait_s"] = waited[0]
         return count
 
     def _finalize(self) -> None:
-        self.buffers, self.filled, self.loaded = [], [], []
+        self.buffers, self.filled, self.loaded, self.ring = [], [], [], []
         if self.one_copy:
             torch.cuda.ipc_collect()  # free the shared tensors the receivers have let go of
         for path in self._files:
@@ -145,7 +152,10 @@ class IpcReceiver(WeightReceiver):
     def _receive(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         c, reader, k = self.control, BucketReader(), 0
         while True:
+            start = time.perf_counter()
             meta = c.get(f"bucket {k} announced", "meta", k)
+            if self.handles is not None:
+                self.handles.stats["wait_s"] += time.perf_counter() - start
             if meta.get("end"):
                 break
             slot = meta["slot"]

@@ -3,7 +3,8 @@
 shared once per sync however many buckets use it; a storage a tensor fills (the export's own tensors) is shared
 in its bucket, marked transient, and shared again if a later bucket needs it; entries describe each tensor as a
 strided view of its storage, which the receiver's `view_of` turns back into the tensor; a bucket's tensors are held
-until the ring slot is reused; small tensors of their own storage travel in one staging tensor per bucket."""
+until the ring slot is reused; small tensors of their own storage are copied into the staging buffer of their
+bucket's slot, which is shared once per sync and kept mapped (no mapping dropped per bucket)."""
 
 import base64
 
@@ -40,7 +41,7 @@ def test_buckets_share_kept_storages_once_and_transient_ones_per_bucket():
     assert [len(m["entries"]) for _, m in buckets] == [2, 2, 1]  # 64 bytes a tensor, two per bucket
     assert shared.count(flat.untyped_storage().data_ptr()) == 1  # kept: once for the sync
     assert shared.count(own.untyped_storage().data_ptr()) == 2  # transient: in bucket 0 and again in bucket 2
-    assert counts == {"buckets": 3, "handles": 3}
+    assert counts == {"buckets": 3, "handles": 3, "staged_bytes": 0}
     (_, m0), (_, m1), (_, m2) = buckets
     assert m0["transient"] == [1] and m1["transient"] == [] and m2["transient"] == [2]
     assert set(m0["storages"]) == {"0", "1"} and m1["storages"] == {} and set(m2["storages"]) == {"2"}
@@ -55,16 +56,35 @@ def test_buckets_share_kept_storages_once_and_transient_ones_per_bucket():
     assert [t.shape for t in held[0]] == [(2, 8)] and held[1] == []
 
 
-def test_small_tensors_of_their_own_travel_in_one_staging_tensor_per_bucket():
+def test_small_tensors_of_their_own_are_staged_in_their_slots_buffer_shared_once_per_sync():
     flat = torch.arange(32.0)
     stream = [("w", flat[:16].view(4, 4)), ("bias", torch.full((3,), 2.0)), ("q", torch.randn(2, 4).t()),
-              ("big", torch.randn(64))]
-    share, held = Recorder(), [[], []]
-    (_, meta), = share_buckets(iter(stream), 1 << 20, lambda k: None, held, None, share, stage_below=128)
-    assert len(share.storages) == 3  # the buffer, one staging tensor (bias, q), big (256 bytes: its own)
-    entries = {e[0]: e for e in meta["entries"]}
-    assert entries["bias"][5] == entries["q"][5] and entries["q"][3] == [2, 1]  # staged contiguous
-    assert sorted(meta["transient"]) == sorted({entries["q"][5], entries["big"][5]})
-    mapped = share.mapped(meta)
+              ("big", torch.randn(64)), ("w2", flat[16:32]), ("bias2", torch.full((5,), 3.0)),
+              ("bias3", torch.full((2,), 4.0))]
+    share, held, ring, mapped, got = Recorder(), [[], []], [], {}, {}
+    counts: dict = {}
+    # 300-byte buckets (and slots; staged offsets are 256-byte aligned): w, bias, q | big | w2, bias2, bias3
+    buckets = share_buckets(iter(stream), 300, lambda k: None, held, counts, share, stage_below=128, ring=ring)
+    for k, meta in buckets:
+        mapped.update(share.mapped(meta))
+        # read now: the sender refills a slot's staging buffer once that slot's bucket was waited for
+        got.update({e[0]: view_of(mapped[e[5]], e).clone() for e in meta["entries"]})
+        for index in meta["transient"]:
+            mapped.pop(index)
+        assert [e[0] for e in meta["entries"]] == [["w", "bias", "q"], ["big"], ["w2", "bias2", "bias3"]][k]
+        assert meta["transient"] == ([] if k != 1 else [meta["entries"][0][5]])
     for name, tensor in stream:
-        assert torch.equal(view_of(mapped[entries[name][5]], entries[name]), tensor), name
+        assert torch.equal(got[name], tensor), name
+    ptrs = [t.untyped_storage().data_ptr() for t in share.storages]
+    assert len(ring) == 1 and ring[0].numel() == 300  # bucket 1 staged nothing: slot 1 never allocated
+    assert ptrs.count(ring[0].untyped_storage().data_ptr()) == 1  # shared once, used by buckets 0 and 2
+    assert counts == {"buckets": 3, "handles": 3, "staged_bytes": 12 + 32 + 20 + 8}
+    assert [t.shape for t in held[0]] == [(16,)]  # bucket 2 holds w2 only: staged tensors' copies are queued
+
+
+def test_a_bucket_ends_early_when_its_staged_tensors_would_overflow_the_slot():
+    stream = [(f"b{i}", torch.full((10,), float(i))) for i in range(4)]  # 40 bytes each, all staged
+    (_, meta), = share_buckets(iter(stream), 1024, lambda k: None, [[], []], None, Recorder(), stage_below=64)
+    assert [e[4] for e in meta["entries"]] == [0, 64, 128, 192]  # 256-byte aligned offsets, in float32 elements
+    small = list(share_buckets(iter(stream), 600, lambda k: None, [[], []], None, Recorder(), stage_below=64))
+    assert [len(m["entries"]) for _, m in small] == [3, 1]  # the fourth would start at byte 768 of a 600-byte slot
