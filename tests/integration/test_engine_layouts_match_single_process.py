@@ -4,9 +4,9 @@ One launch per world size walks several layouts inside the same processes (impor
 per process). For each layout: 3 optimizer steps with an RL-style loss whose aggregation changes every step
 (token-mean, seq-mean-token-mean, seq-mean-token-sum, so both step-global normalisers are exercised), the
 batch split over DP ranks and packed into micro-batches differently from the reference. Compared with the
-single-process run (fp32; gloo, or NCCL where CUDA is present): per-step loss (1e-5), per-step global grad norm
-(rel 1e-5), the weights after training exported under HF names (1e-5) and the per-token log-probs of `infer`
-after training (1e-5).
+single-process run (fp32; gloo, or NCCL where CUDA is present): per-step loss (1e-5, relative past 1), per-step
+global grad norm (rel 1e-5), the weights after training exported under HF names (1e-5) and the per-token log-probs
+of `infer` after training (1e-5).
 
 Also here, because they share the launches: `infer` equals log_softmax of the HF model's logits at the next
 tokens; packing several samples into one micro-batch gives the same gradients and log-probs as one sample
@@ -191,7 +191,8 @@ def reference(models):
 
 def assert_matches(got: dict, ref: dict, label: str) -> None:
     for step, (g, r) in enumerate(zip(got["steps"], ref["steps"])):
-        assert abs(g["loss"] - r["loss"]) < 1e-5, (label, step, g["loss"], r["loss"])
+        # relative past 1: a PPO loss near -13.6 differed by 1.3e-5 (~14 fp32 ulps) on one CI machine's CPU
+        assert abs(g["loss"] - r["loss"]) <= 1e-5 * max(1.0, abs(r["loss"])), (label, step, g["loss"], r["loss"])
         assert abs(g["grad_norm"] - r["grad_norm"]) <= 1e-5 * max(1.0, r["grad_norm"]), (label, step, g, r)
     torch.testing.assert_close(
         torch.from_numpy(got["log_probs"]), torch.from_numpy(ref["log_probs"]), atol=1e-5, rtol=1e-5, msg=label

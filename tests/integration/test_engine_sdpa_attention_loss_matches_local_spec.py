@@ -1,8 +1,9 @@
 """A packed row of several documents through the engine's attention (SdpaAttention, packed THD) gives the same
 per-token losses and parameter gradients as Megatron's stock local spec (DotProductAttention) run on each
-document alone, for the same HF weights: within 1e-5 in fp32 on CPU. tests/gpu runs `spec_losses` in bf16 on
-CUDA, where the packed row goes through the variable-length flash kernel. With `megatron.compile_fusions` on
-CPU (compiled SwiGLU, residual add and RMSNorm in our model only), the same holds against the eager local spec."""
+document alone, for the same HF weights: within 1e-5 in fp32 on CPU (gradients 3e-5 absolute). tests/gpu runs
+`spec_losses` in bf16 on CUDA, where the packed row goes through the variable-length flash kernel. With
+`megatron.compile_fusions` on CPU (compiled SwiGLU, residual add and RMSNorm in our model only), the same holds
+against the eager local spec."""
 
 from __future__ import annotations
 
@@ -93,9 +94,8 @@ def test_packed_documents_match_local_spec_per_document_fp32(tmp_path, fused):
     assert (out["compiled_graphs"] >= 3) if fused else out["compiled_graphs"] == 0, out["compiled_graphs"]
     torch.testing.assert_close(ours["loss"], local["loss"], atol=1e-5, rtol=1e-5)
     assert ours["grads"].keys() == local["grads"].keys() and len(local["grads"]) > 10
-    # Compiled kernels sum in another order: the embedding gradient (entries up to ~12, summed over every use of
-    # a token) then differs from the local spec's by ~1.4e-5 at an entry near zero, as the eager path's does
-    # elsewhere; the largest difference of any tensor is the same (1.42e-5) either way.
-    atol = 3e-5 if fused else 1e-5
+    # The packed row sums in another order than the per-document runs (and compiled kernels in another again):
+    # the embedding gradient (entries up to ~12, summed over every use of a token) then differs by ~1.4e-5 at an
+    # entry near zero, eager or compiled, and past 1e-5 on one CI machine's CPU in the eager path too.
     for name, g in local["grads"].items():
-        torch.testing.assert_close(ours["grads"][name], g, atol=atol, rtol=1e-5, msg=name)
+        torch.testing.assert_close(ours["grads"][name], g, atol=3e-5, rtol=1e-5, msg=name)
