@@ -191,17 +191,19 @@ class Bridge:
         *,
         dtype: torch.dtype | None = None,
         tp_slices: bool = False,
+        row_blocks: bool = False,
     ) -> Iterator[tuple]:
         """Every HF tensor as (hf_name, tensor), on every rank (collective: all ranks must iterate it fully).
 
         Gathers over TP / expert-TP, gathers experts over EP, broadcasts from the owning PP stage. Tensors
         may be views of parameters when no gather was needed: copy them if the model changes meanwhile.
         `tp_slices`: dense TP-split tensors come as (hf_name, this rank's slice, TpSlice) instead (every rank
-        must pass the same value; bridges/export.py).
+        must pass the same value); `row_blocks`: fused QKV's q/k/v as uncopied [groups, rows, *rest] views
+        tagged ROW_BLOCKS, for a consumer that places rows itself (bridges/export.py).
         """
         from bridges.export import export_stream
 
-        return export_stream(self, chunks, dtype=dtype, tp_slices=tp_slices)
+        return export_stream(self, chunks, dtype=dtype, tp_slices=tp_slices, row_blocks=row_blocks)
 
     def export_plan(self, chunks: Sequence[torch.nn.Module], *, dtype: torch.dtype | None = None) -> Any:
         """The export plan (collective the first time, then cached): every unit's HF names, shapes and bytes,

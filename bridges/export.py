@@ -16,6 +16,10 @@ same order) the dense TP-split tensors skip step 1: each rank yields its own sli
 with a `TpSlice`, and with PP > 1 the owning stage broadcasts slices, not merged tensors, so every device moves
 about 1/TP of those bytes. Vocabulary-parallel tensors (the engine pads the vocabulary its own way) and experts
 stay whole.
+
+With `row_blocks` (the one-copy ipc sender, which shares the trainer's memory instead of copying the stream) a
+fused QKV's q/k/v come as strided views [query groups, rows per group, *rest] of linear_qkv, tagged `ROW_BLOCKS`,
+instead of the copies that make them contiguous HF tensors: the receiver copies each block into its rows.
 """
 
 from __future__ import annotations
@@ -53,6 +57,20 @@ class TpSlice:
         full = list(shape)
         full[self.dim] *= self.size
         return full
+
+
+@dataclass(frozen=True)
+class RowBlocks:
+    """A tensor of the stream sent as [blocks, rows, *rest]: the HF tensor is its flatten(0, 1)."""
+
+
+ROW_BLOCKS = RowBlocks()
+
+
+def stream_tags(tags: Sequence[object]) -> tuple[TpSlice | None, bool]:
+    """The TP slice (or None) and whether the tensor comes as row blocks, from a stream item's tags (item[2:])."""
+    tp = next((t for t in tags if isinstance(t, TpSlice)), None)
+    return tp, any(isinstance(t, RowBlocks) for t in tags)
 
 
 @dataclass(frozen=True)
@@ -253,7 +271,7 @@ def _config_of(chunk: torch.nn.Module):
 
 
 def _hf_tensors(
-    bridge: Bridge, unit: Unit, fulls: list[torch.Tensor], plan: Plan, sliced: bool
+    bridge: Bridge, unit: Unit, fulls: list[torch.Tensor], plan: Plan, sliced: bool, row_blocks: bool
 ) -> Iterator[tuple]:
     mapping = bridge.table[unit.mapping_index]
     shape, tag = plan.shape, ()
@@ -263,17 +281,22 @@ def _hf_tensors(
         tp, rank = plan.tp_size, ps.get_tensor_model_parallel_rank()
         shape = ModelShape(shape.num_heads // tp, shape.num_query_groups // tp, shape.head_dim)
         tag = (TpSlice(mapping.tp_dim, rank, tp),)  # type: ignore[arg-type]
+    blocks = row_blocks and isinstance(mapping, FusedQKV)
+    to_hf = mapping.to_hf_blocks if blocks else mapping.to_hf  # type: ignore[attr-defined]
+    tag = (*tag, ROW_BLOCKS) if blocks else tag
     names = iter(unit.hf_names)  # every EP rank's HF names, in the order of `fulls`
     for full in fulls:
-        for tensor in mapping.to_hf(full, shape):
+        for tensor in to_hf(full, shape):
             yield next(names), tensor if plan.dtype in (None, tensor.dtype) else tensor.to(plan.dtype), *tag
 
 
 def export_stream(
-    bridge: Bridge, chunks: Sequence[torch.nn.Module], *, dtype: torch.dtype | None = None, tp_slices: bool = False
+    bridge: Bridge, chunks: Sequence[torch.nn.Module], *, dtype: torch.dtype | None = None, tp_slices: bool = False,
+    row_blocks: bool = False,
 ) -> Iterator[tuple]:
-    """(hf_name, tensor) per HF tensor; with `tp_slices`, (hf_name, slice, TpSlice) for the sliceable ones."""
-    for bucket in _walk(bridge, chunks, None, dtype, tp_slices):
+    """(hf_name, tensor) per HF tensor; with `tp_slices`, (hf_name, slice, TpSlice) for the sliceable ones; with
+    `row_blocks`, fused QKV's q/k/v as (hf_name, blocks, [TpSlice,] ROW_BLOCKS)."""
+    for bucket in _walk(bridge, chunks, None, dtype, tp_slices, row_blocks):
         yield from bucket
 
 
@@ -300,7 +323,7 @@ def bucket_bounds(plan: Plan, bucket_bytes: int | None) -> list[tuple[int, int]]
 
 def _walk(
     bridge: Bridge, chunks: Sequence[torch.nn.Module], bucket_bytes: int | None, dtype: torch.dtype | None,
-    tp_slices: bool = False,
+    tp_slices: bool = False, row_blocks: bool = False,
 ) -> Iterator[list[tuple]]:
     plan = plan_for(bridge, chunks, dtype)
     key = ("bounds", id(plan), bucket_bytes)
@@ -318,5 +341,5 @@ def _walk(
             sliced = [tp_slices and sliceable(bridge, unit, plan) for unit in units]
             bucket: list[tuple] = []
             for unit, cut, fulls in zip(units, sliced, _materialise(bridge, units, local, plan, sliced)):
-                bucket.extend(_hf_tensors(bridge, unit, fulls, plan, cut))
+                bucket.extend(_hf_tensors(bridge, unit, fulls, plan, cut, row_blocks))
             yield bucket

@@ -195,11 +195,14 @@ class FusedQKV(Mapping):
         return torch.cat(per_group, dim=1).reshape(-1, *rest)
 
     def to_hf(self, full: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
+        return [t.flatten(0, 1) for t in self.to_hf_blocks(full, shape)]
+
+    def to_hf_blocks(self, full: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
+        """q, k, v as views [groups, rows per group, *rest] of `full`: each one's flatten(0, 1) is the HF tensor
+        (a copy unless there is one group), so a consumer that places rows itself can skip that copy."""
         g, d = shape.num_query_groups, shape.head_dim
         per_group = shape.num_heads // g
-        rest = full.shape[1:]
-        q, k, v = full.reshape(g, (per_group + 2) * d, *rest).split([per_group * d, d, d], dim=1)
-        return [t.reshape(-1, *rest) for t in (q, k, v)]
+        return list(full.unflatten(0, (g, (per_group + 2) * d)).split([per_group * d, d, d], dim=1))
 
 
 def QKV(megatron: str, q: str, k: str, v: str) -> Mapping:

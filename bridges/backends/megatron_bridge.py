@@ -66,9 +66,11 @@ class MegatronBridgeBackend:
         self._bridge.load_hf_weights(list(chunks), str(folder))
 
     def export(
-        self, chunks: Sequence[torch.nn.Module], *, dtype: torch.dtype | None = None, tp_slices: bool = False
+        self, chunks: Sequence[torch.nn.Module], *, dtype: torch.dtype | None = None, tp_slices: bool = False,
+        row_blocks: bool = False,
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Whole tensors only (`tp_slices` is a request a weight sync may make; whole tensors always satisfy it)."""
+        """Whole tensors only (`tp_slices` and `row_blocks` are requests a weight sync may make; whole tensors
+        always satisfy them)."""
         for name, tensor in self._bridge.export_hf_weights(list(chunks)):
             yield name, tensor if dtype is None else tensor.to(dtype)
 

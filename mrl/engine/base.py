@@ -67,9 +67,10 @@ class BaseEngine(ABC):
         """Move the selected training state to `device` ("cpu" to free the accelerator, "cuda" to come back)."""
 
     @abstractmethod
-    def export_weights(self, tp_slices: bool = False) -> Iterator[tuple]:
+    def export_weights(self, tp_slices: bool = False, row_blocks: bool = False) -> Iterator[tuple]:
         """Full (unsharded) weights under their HF names, one tensor at a time; `tp_slices`: the dense TP-split
-        ones as (name, this rank's slice, TpSlice) where the engine can (bridges/export.py)."""
+        ones as (name, this rank's slice, TpSlice) where the engine can; `row_blocks`: fused QKV's q/k/v as
+        uncopied row blocks tagged ROW_BLOCKS, for the one-copy sender (bridges/export.py)."""
 
     @abstractmethod
     def save_checkpoint(self, path: str) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 import ray
 import torch.distributed as dist
 
+from bridges.export import stream_tags
 from mrl.rollout.client import wait_within
 from mrl.rollout.replica import Footprint, server_rank
 from mrl.weight_sync import make_sender
@@ -61,7 +62,7 @@ class SentBytes:
     def count(self, stream: Iterable[tuple]) -> Iterator[tuple]:
         for item in stream:
             nbytes = item[1].numel() * item[1].element_size()
-            if len(item) > 2:
+            if stream_tags(item[2:])[0] is not None:
                 self.sliced += nbytes
             else:
                 self.whole += nbytes

@@ -39,21 +39,21 @@ def make_sender(transport: str, world_size: int, bucket_bytes: int, timeout_s: f
     return _classes(transport)[0](world_size, bucket_bytes, timeout_s, **kwargs)
 
 
-def make_receiver(spec: dict[str, Any], rank: int, keep_slices: bool = False) -> WeightReceiver:
-    """A rollout worker's side, from the spec its sender's `prepare()` returned. `keep_slices` (ipc with one_copy):
-    TP slices arrive as (name, slice, [dim, rank, size]) for a loader that places them itself."""
+def make_receiver(spec: dict[str, Any], rank: int, keep_parts: bool = False) -> WeightReceiver:
+    """A rollout worker's side, from the spec its sender's `prepare()` returned. `keep_parts` (ipc with one_copy):
+    TP slices and row blocks arrive tagged, for a loader that places them itself (handles.HandleReader)."""
     receiver_cls = _classes(spec["transport"])[1]
-    if keep_slices and spec.get("one_copy"):
-        return receiver_cls(spec, rank, keep_slices=True)  # type: ignore[call-arg]
+    if keep_parts and spec.get("one_copy"):
+        return receiver_cls(spec, rank, keep_parts=True)  # type: ignore[call-arg]
     return receiver_cls.for_sync(spec, rank)
 
 
-def receive_into(spec: dict[str, Any], rank: int, load: Any, keep_slices: bool = False) -> int:
+def receive_into(spec: dict[str, Any], rank: int, load: Any, keep_parts: bool = False) -> int:
     """Run one receiver to the end, calling `load(named_tensors)` per bucket; returns the tensors loaded.
 
     A failure here (the transport's or `load`'s) is reported to the sender, which stops at once with it.
     """
-    receiver = make_receiver(spec, rank, keep_slices)
+    receiver = make_receiver(spec, rank, keep_parts)
     count = 0
     try:
         receiver.init_process_group()

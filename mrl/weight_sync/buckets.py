@@ -11,6 +11,7 @@ A stream item may also be (name, slice, tp_slice) with `tp_slice` = (dim, rank, 
 the sender's TP rank's slice of the tensor, for an engine rank on the same device that keeps the same slice. Its
 entry carries the triple; the reader hands the engine the full-shaped tensor with the slice in place (the rest
 left unset): engines' TP weight loaders narrow a full tensor to their rank's slice, which is exactly that one.
+A tensor tagged as row blocks (bridges.export.ROW_BLOCKS, for the one-copy sender) is packed as its HF tensor.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
+
+from bridges.export import stream_tags
 
 # Offsets are rounded up so that every view is aligned for any dtype (and for vectorised copies).
 ALIGN = 256
@@ -64,14 +67,17 @@ def fill_buckets(
         if k >= len(buffers):
             before_reuse(k)
 
-    for name, tensor, *tp_slice in named_tensors:
+    for name, tensor, *tags in named_tensors:
         if name in seen:
             raise ValueError(f"weight stream repeats tensor {name!r}")
         seen.add(name)
+        tp_slice, blocks = stream_tags(tags)
+        if blocks:
+            tensor = tensor.flatten(0, 1)
         total, done = tensor.numel() * tensor.element_size(), 0
         flat: torch.Tensor | None = None  # flattened only if the tensor is split
         meta = [name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
-        tail = [[tp_slice[0].dim, tp_slice[0].rank, tp_slice[0].size]] if tp_slice else []
+        tail = [[tp_slice.dim, tp_slice.rank, tp_slice.size]] if tp_slice else []
         while done < total or (total == 0 and done == 0):
             start = _align(used)
             room = capacity - start

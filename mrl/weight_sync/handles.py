@@ -11,8 +11,11 @@ tensors alive until every receiver acknowledged it, so at most two buckets of fr
 fresh tensors (the export's split q/k/v, biases) are copied into a two-slot staging ring that stays mapped for the
 whole sync (`share_buckets` says which storages stay mapped and why that matters).
 Entries are `[name, dtype, shape, stride, offset, storage]` (+ `[dim, rank, size]` for a TP slice, as in
-buckets.py): `offset` in elements of `dtype` from the start of storage number `storage`, whose handle (base64 of
-`rollout_adapters.cuda_ipc.share_cuda_buffer`) came in the `storages` of this bucket or of an earlier one.
+buckets.py; + `[tp slice or None, 1]` for row blocks): `offset` in elements of `dtype` from the start of storage
+number `storage`, whose handle (base64 of `rollout_adapters.cuda_ipc.share_cuda_buffer`) came in the `storages` of
+this bucket or of an earlier one. Row blocks (bridges.export.ROW_BLOCKS: fused QKV's q/k/v as [groups, rows,
+*rest] views of linear_qkv) travel as those views, so the sender copies nothing; the receiver's loader copies
+them block-wise into place, or the reader flattens them (a copy) for a loader that takes HF tensors only.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from bridges.export import ROW_BLOCKS, stream_tags
 from mrl.weight_sync.buckets import in_full_shape
 
 # Tensors of their own storage below this size travel in the bucket's slot of the staging ring (see share_buckets).
@@ -114,7 +118,7 @@ def share_buckets(
             before_reuse(k)
         held[k % len(held)] = []  # the receivers are done with the bucket this slot carried
 
-    for name, tensor, *tp_slice in named_tensors:
+    for name, tensor, *tags in named_tensors:
         if name in seen:
             raise ValueError(f"weight stream repeats tensor {name!r}")
         seen.add(name)
@@ -129,7 +133,10 @@ def share_buckets(
         if entries and (used + nbytes > bucket_bytes or (stageable and staged + nbytes > slot_bytes)):
             yield from flush()
         index = kept.get(key, transient.get(key))
-        tail = [[tp_slice[0].dim, tp_slice[0].rank, tp_slice[0].size]] if tp_slice else []
+        tp_slice, blocks = stream_tags(tags)
+        tail: list = [[tp_slice.dim, tp_slice.rank, tp_slice.size]] if tp_slice else []
+        if blocks:
+            tail = [tail[0] if tail else None, 1]
         entry = [name, str(t.dtype).removeprefix("torch."), list(t.shape), list(t.stride()), t.storage_offset(),
                  index, *tail]
         if index is None and stageable:
@@ -153,6 +160,18 @@ def view_of(raw: torch.Tensor, entry: list) -> torch.Tensor:
     return raw[: raw.numel() - raw.numel() % size].view(dt).as_strided(shape, stride, offset)
 
 
+def parts(tags: Iterable[Any]) -> tuple[list | None, bool]:
+    """A kept tensor's TP slice [dim, rank, size] (or None) and whether it comes as row blocks."""
+    tags = list(tags)
+    return next((t for t in tags if isinstance(t, list)), None), ROW_BLOCKS in tags
+
+
+def whole(tensor: torch.Tensor, tp_slice: list | None, blocks: bool) -> torch.Tensor:
+    """The HF tensor (full-shaped, its slice in place, for a TP slice) of a kept tensor."""
+    tensor = tensor.flatten(0, 1) if blocks else tensor
+    return in_full_shape(tensor, *tp_slice) if tp_slice else tensor
+
+
 class HandleReader:
     """Maps the buckets' storages and returns their tensors as views of the trainer's memory. A bucket's transient
     storages are dropped by `done` (before the bucket is acknowledged: the sender may then free them), the others
@@ -162,10 +181,11 @@ class HandleReader:
     # waits for the copies from them), for benchmarks: mapping is the per-sync cost this path adds.
     last: ClassVar[dict[str, float]] = {}
 
-    def __init__(self, keep_slices: bool = False) -> None:
-        # TP slices come full-shaped (buckets.in_full_shape) unless `keep_slices`: then as (name, slice, [dim,
-        # rank, size]), for a loader that places slices itself
-        self.keep_slices = keep_slices
+    def __init__(self, keep_parts: bool = False) -> None:
+        # TP slices come full-shaped (buckets.in_full_shape) and row blocks flattened unless `keep_parts`: then as
+        # (name, tensor, *tags) with tags [dim, rank, size] for a slice and ROW_BLOCKS for blocks, for a loader
+        # that places them itself (see `parts`)
+        self.keep_parts = keep_parts
         self._open: dict[int, torch.Tensor] = {}
         self._transient: list[int] = []
         # wait_s: host seconds waiting for the sender to announce a bucket (the sender is behind)
@@ -182,11 +202,13 @@ class HandleReader:
         self._transient = list(meta["transient"])
         named: list[tuple] = []
         for entry in meta["entries"]:
-            name, tensor, tp_slice = entry[0], view_of(self._open[entry[5]], entry), entry[6:]
-            if tp_slice and self.keep_slices:
-                named.append((name, tensor, tp_slice[0]))
+            name, tensor = entry[0], view_of(self._open[entry[5]], entry)
+            tp_slice, blocks = entry[6] if len(entry) > 6 else None, len(entry) > 7
+            if self.keep_parts:
+                tags = ([tp_slice] if tp_slice else []) + ([ROW_BLOCKS] if blocks else [])
+                named.append((name, tensor, *tags))
             else:
-                named.append((name, in_full_shape(tensor, *tp_slice[0]) if tp_slice else tensor))
+                named.append((name, whole(tensor, tp_slice, blocks)))
         return named
 
     def done(self) -> None:

@@ -125,11 +125,11 @@ class IpcSender(WeightSender):
 
 
 class IpcReceiver(WeightReceiver):
-    def __init__(self, spec: dict[str, Any], rank: int, keep_slices: bool = False) -> None:
+    def __init__(self, spec: dict[str, Any], rank: int, keep_parts: bool = False) -> None:
         super().__init__(spec, rank)
-        # one_copy: views of the sender's own storages; TP slices as (name, slice, [dim, rank, size]) if the
-        # caller places them itself (keep_slices)
-        self.handles = HandleReader(keep_slices) if spec.get("one_copy") else None
+        # one_copy: views of the sender's own storages; TP slices and row blocks tagged if the caller places
+        # them itself (keep_parts)
+        self.handles = HandleReader(keep_parts) if spec.get("one_copy") else None
         if spec["device"] == "cuda":
             from rollout_adapters.cuda_ipc import open_cuda_buffer
 

@@ -283,8 +283,11 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
             trainer_tp = self.config.actor.megatron.tensor_model_parallel_size
             slices = ws.tp_slices and self.rollout.pd is None and tp_slices_pair(self.rollout.spec.footprint,
                                                                                  trainer_tp)
-            return sync_per_device(self.rollout, self.actor.engine.export_weights(tp_slices=slices), global_steps,
-                                   ws.bucket_size_mb << 20, ws.timeout_s, **ws.sender_kwargs())
+            # one copy: the sender shares fused QKV's q/k/v as row blocks of the trainer's memory (no export copy)
+            blocks = ws.one_copy and torch.cuda.is_available()
+            stream = self.actor.engine.export_weights(tp_slices=slices, row_blocks=blocks)
+            return sync_per_device(self.rollout, stream, global_steps, ws.bucket_size_mb << 20, ws.timeout_s,
+                                   **ws.sender_kwargs())
         stream = self.actor.engine.export_weights()
         if self.rank == 0 and self.rollout is not None:
             from mrl.rollout.device_sync import SentBytes

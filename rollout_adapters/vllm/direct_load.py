@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mrl.weight_sync.buckets import in_full_shape
+from mrl.weight_sync.handles import parts, whole
 
 
 @dataclass(frozen=True)
@@ -33,21 +33,29 @@ class Destination:
     src_start: int = 0
     zero_rest: bool = False
 
-    def source(self, tensor: torch.Tensor, tp_slice: list | None = None) -> torch.Tensor | None:
+    def source(self, tensor: torch.Tensor, tp_slice: list | None = None, blocks: bool = False) -> torch.Tensor | None:
         """This rank's part of the full tensor, or of a TP slice [dim, rank, size] of it (None if the slice does not
-        hold it)."""
+        hold it). `blocks`: the tensor comes as row blocks [blocks, rows, *rest] (handles.py); its part is whole
+        blocks, or rows of one block as [1, rows, *rest] (None if they span a cut block)."""
         if self.dim is None or self.length is None:
             return None if tp_slice else tensor
-        if self.zero_rest and tensor.shape[self.dim] != self.length:
+        if blocks and (self.dim != 0 or self.zero_rest):
+            return None
+        rows = tensor.shape[1] if blocks else 1  # HF rows per index along dim
+        extent = tensor.shape[self.dim] * rows
+        if self.zero_rest and extent != self.length:
             return None  # not the unpadded vocabulary: the loader's own check reports it
         start = self.src_start
         if tp_slice:
             dim, rank, _ = tp_slice
-            first = rank * tensor.shape[dim]
-            if dim != self.dim or not first <= start <= start + self.length <= first + tensor.shape[dim]:
+            first = rank * extent
+            if dim != self.dim or not first <= start <= start + self.length <= first + extent:
                 return None
             start -= first
-        return tensor.narrow(self.dim, start, self.length)
+        if start % rows or self.length % rows:  # e.g. one query group split over TP ranks
+            block, offset = divmod(start, rows)
+            return tensor.narrow(0, block, 1).narrow(1, offset, self.length) if offset + self.length <= rows else None
+        return tensor.narrow(self.dim, start // rows, self.length // rows)
 
     def view(self, param: torch.Tensor) -> torch.Tensor:
         return param if self.dim is None or self.length is None else param.narrow(self.dim, self.start, self.length)
@@ -138,8 +146,8 @@ def destination_map(model: torch.nn.Module) -> dict[str, Destination]:
 
 
 class DirectLoader:
-    """Loads buckets of (name, tensor[, tp_slice]) by copying into destination views; the rest through
-    `model.load_weights`. Counts tensors and bytes of each way."""
+    """Loads buckets of (name, tensor, *tags) (a TP slice, row blocks: handles.HandleReader with keep_parts) by
+    copying into destination views; the rest through `model.load_weights`. Counts tensors and bytes of each way."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -149,17 +157,20 @@ class DirectLoader:
 
     def load(self, named: list[tuple]) -> None:
         rest = []
-        for name, tensor, *tp_slice in named:
+        for name, tensor, *tags in named:
+            tp_slice, blocks = parts(tags)
             dest = self.map.get(name)
-            src = dest.source(tensor, tp_slice[0] if tp_slice else None) if dest is not None else None
+            src = dest.source(tensor, tp_slice, blocks) if dest is not None else None
             nbytes = tensor.numel() * tensor.element_size()
             if src is None:
-                rest.append((name, in_full_shape(tensor, *tp_slice[0]) if tp_slice else tensor))
+                rest.append((name, whole(tensor, tp_slice, blocks)))
                 self.stats["loader_tensors"] += 1
                 self.stats["loader_bytes"] += nbytes
                 continue
             param = self.params[dest.param].data
             param_view = dest.view(param)
+            if blocks and param_view.shape[:1] == (src.shape[0] * src.shape[1],):
+                param_view = param_view.unflatten(0, src.shape[:2])
             if param_view.shape != src.shape:
                 raise ValueError(f"one-copy load: {name} {tuple(src.shape)} does not fit {dest.param}"
                                  f"{tuple(param_view.shape)} at {dest}")

@@ -80,7 +80,7 @@ class WeightReceiverExtension:
         if spec.get("one_copy") and (loader := self._mrl_direct_loader(model)) is not None:
             from mrl.weight_sync.handles import HandleReader
 
-            count = receive_into(spec, rank, loader.load, keep_slices=True)
+            count = receive_into(spec, rank, loader.load, keep_parts=True)
             self.mrl_last_load = {"one_copy": True, **loader.stats, **HandleReader.last}
             self._mrl_reset_derived_state()
             return count

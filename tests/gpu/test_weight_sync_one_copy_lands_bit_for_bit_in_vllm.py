@@ -3,7 +3,8 @@ tensors' memory (views at storage offsets and strided views, fp32 norms into a b
 pads) and the engine copies every HF tensor straight into its parameters; read back, the engine's parameters equal
 the export bit for bit, every tensor went the direct way (none through the model's loaders), and the same holds
 for a second sync after a level-2 sleep and wake (the engine's weights discarded and re-mapped at their addresses),
-in which every tensor of its own storage is shared by its own handle instead of in a per-bucket staging tensor."""
+in which every tensor of its own storage is shared by its own handle instead of in the staging ring, and for a third
+whose q/k/v come as the bridge's row blocks of a Megatron linear_qkv (bridges/export.py `row_blocks`)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,27 @@ def hf_export(seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def sync(llm, tensors: dict[str, torch.Tensor], bucket_bytes: int) -> int:
+def with_row_blocks(exported: dict[str, torch.Tensor]) -> list[tuple]:
+    """The stream as the one-copy export sends it: each layer's q/k/v (weight and bias) as row blocks of one
+    Megatron-interleaved linear_qkv, the rest as it is."""
+    from bridges.export import ROW_BLOCKS
+    from bridges.mapping import QKV, ModelShape, Shard
+
+    heads, groups = SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"]
+    shape = ModelShape(heads, groups, SHAPE["hidden_size"] // heads)
+    mapping, items = QKV("qkv", "q", "k", "v"), []
+    for name, tensor in exported.items():
+        if ".q_proj." in name:
+            parts = [exported[name.replace(".q_proj.", f".{p}_proj.")] for p in "qkv"]
+            full = mapping.load(parts, Shard(), shape)
+            for part, blocks in zip("qkv", mapping.to_hf_blocks(full, shape)):
+                items.append((name.replace(".q_proj.", f".{part}_proj."), blocks, ROW_BLOCKS))
+        elif not (".k_proj." in name or ".v_proj." in name):
+            items.append((name, tensor))
+    return items
+
+
+def sync(llm, items: list[tuple], bucket_bytes: int) -> int:
     from mrl.weight_sync import make_sender
 
     sender = make_sender("ipc", 2, bucket_bytes, 120.0, device="cuda", one_copy=True)
@@ -62,12 +83,12 @@ def sync(llm, tensors: dict[str, torch.Tensor], bucket_bytes: int) -> int:
     engine.start()
     try:
         sender.init_process_group()
-        sent = sender.send_weights(iter(tensors.items()))
+        sent = sender.send_weights(iter(items))
         sender.finalize()
     finally:
         sender.finalize(wait=False)
         engine.join(timeout=120)
-    assert result["n"] == [len(tensors)]
+    assert result["n"] == [len(items)]
     return sent
 
 
@@ -88,11 +109,11 @@ def test_one_copy_sync_lands_bit_for_bit_in_a_live_vllm_and_again_after_a_level_
               max_model_len=256, enforce_eager=True, gpu_memory_utilization=0.15, enable_sleep_mode=True,
               worker_extension_cls=WORKER_EXTENSION, seed=0)
     try:
-        for seed in (1, 2):
-            if seed == 2:
-                monkeypatch.setattr(handles, "STAGE_BELOW", 0)  # no staging: one handle per own storage
+        for seed in (1, 2, 3):
+            monkeypatch.setattr(handles, "STAGE_BELOW", 0 if seed == 2 else 64 << 20)  # 2: one handle per storage
             exported = hf_export(seed)
-            assert sync(llm, exported, bucket_bytes=96 << 10) == len(exported)  # many buckets: the ring is reused
+            items = with_row_blocks(exported) if seed == 3 else list(exported.items())
+            assert sync(llm, items, bucket_bytes=96 << 10) == len(exported)  # many buckets: the ring is reused
             stats = llm.collective_rpc("mrl_load_stats")[0]
             print(json.dumps({"seed": seed, **stats}))
             assert stats["one_copy"] and stats["loader_tensors"] == 0, stats

@@ -6,7 +6,8 @@ a Llama with Llama-3 RoPE scaling at TP=2, a DeepSeek-V3 with the published conf
 1.0, mscale_all_dim 1.0, beta 32/1; original context scaled down to 64) at TP=1 and TP=2, and a Qwen3 with one
 key-value head at TP=2. On every rank, export reproduces the HF safetensors bit for bit (same names, shapes, values,
 nothing missing or extra), and the `tp_slices` export gives each rank exactly its TP slice of the dense TP-split
-tensors (vocabulary, norms and experts whole; QKV whole when there are fewer KV heads than TP). `save_hf` from a
+tensors (vocabulary, norms and experts whole; QKV whole when there are fewer KV heads than TP), and with
+`row_blocks` its q/k/v are uncopied views of linear_qkv that flatten to those tensors. `save_hf` from a
 sharded layout reloads in transformers with the same logits. The import never holds more than one layer's tensors at
 once, and sharded layouts read less than the whole checkpoint. A bridge whose table leaves a parameter unmapped
 cannot be registered.
@@ -110,18 +111,25 @@ def _check_export(bridge, chunks, folder: str) -> dict[str, list[str]]:
 
 
 def _check_tp_slices(bridge, chunks, folder: str) -> dict[str, object]:
-    """The `tp_slices` export: each sliced tensor is this rank's TP slice of the HF tensor, every other one whole."""
+    """The `tp_slices` export: each sliced tensor is this rank's TP slice of the HF tensor, every other one whole;
+    with `row_blocks` too, fused QKV's q/k/v come as views of linear_qkv whose flatten(0, 1) is that tensor."""
     from megatron.core import parallel_state as ps
 
+    from bridges.export import stream_tags
     from bridges.hf_io import HFCheckpoint
 
     tp_rank = ps.get_tensor_model_parallel_rank()
-    sliced, wrong = [], []
+    sliced, wrong, blocked, copied = [], [], [], []
     with HFCheckpoint(folder) as checkpoint:
-        for name, tensor, *tag in bridge.export(chunks, tp_slices=True):
+        for name, tensor, *tags in bridge.export(chunks, tp_slices=True, row_blocks=True):
             reference = checkpoint(name)[...]
-            if tag:
-                (cut,) = tag
+            cut, blocks = stream_tags(tags)
+            if blocks:
+                blocked.append(name)
+                if tensor.untyped_storage().nbytes() <= tensor.numel() * tensor.element_size():
+                    copied.append(name)  # not a view of the parameter
+                tensor = tensor.flatten(0, 1)
+            if cut is not None:
                 sliced.append(name)
                 length = tensor.shape[cut.dim]
                 if cut.rank != tp_rank or cut.size != ps.get_tensor_model_parallel_world_size():
@@ -129,7 +137,7 @@ def _check_tp_slices(bridge, chunks, folder: str) -> dict[str, object]:
                 reference = reference.narrow(cut.dim, cut.rank * length, length)
             if reference.shape != tensor.shape or not torch.equal(reference, tensor):
                 wrong.append(name)
-    return {"sliced": sliced, "wrong": wrong}
+    return {"sliced": sliced, "wrong": wrong, "blocked": blocked, "copied": copied}
 
 
 BUCKET_BYTES = 64 * 1024
@@ -321,7 +329,10 @@ def test_export_reproduces_hf_tensors_bit_for_bit(world2, family, layout):
 def test_tp_slices_export_is_each_ranks_slice_of_the_hf_tensors(world2, family, layout):
     for rank, results in enumerate(world2["per_rank"]):
         report = results[(family, layout)]["tp_slices"]
-        assert report["wrong"] == [], f"rank {rank}: {report}"
+        assert report["wrong"] == [] and report["copied"] == [], f"rank {rank}: {report}"
+        qkv = [n for n in report["blocked"] if n.endswith((".q_proj.weight", ".k_proj.weight", ".v_proj.weight"))]
+        assert bool(qkv) != family.startswith("deepseek_v3") and len(qkv) % 3 == 0, report  # MLA: no fused QKV
+        assert all(n.split(".")[-2] in ("q_proj", "k_proj", "v_proj") for n in report["blocked"]), report
         names = report["sliced"]
         if LAYOUTS[layout].get("tp", 1) == 1:
             assert names == []

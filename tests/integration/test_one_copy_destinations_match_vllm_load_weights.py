@@ -1,8 +1,9 @@
 """The one-copy loader's destinations (rollout_adapters/vllm/direct_load.py) against vLLM's own model classes, built
 on CPU before any post-load repacking: copying every HF tensor into its destination view gives, bit for bit, the
 parameters the model's `load_weights` gives (Qwen2 with QKV bias, Llama, Qwen3 with q/k norms; TP 1 and TP 2, the
-latter also with one KV head replicated over both ranks), with no tensor left to the model's loaders; at TP 2 the
-same holds when the dense TP-split tensors arrive as the rank's own slices (weight_sync.tp_slices)."""
+latter also with one KV head replicated over both ranks), with no tensor left to the model's loaders; the same holds
+when q/k/v arrive as row blocks of a Megatron linear_qkv (the one-copy export's `row_blocks`) and, at TP 2, when the
+dense TP-split tensors arrive as the rank's own slices (weight_sync.tp_slices)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
 FAMILIES = {"Qwen2ForCausalLM": "Qwen2Config", "LlamaForCausalLM": "LlamaConfig", "Qwen3ForCausalLM": "Qwen3Config"}
 # The export's TP slices (bridges/export.py): column-split along dim 0, row-split along dim 1; the rest whole.
 SLICED = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0, "o_proj": 1, "down_proj": 1}
+# How the stream brings the tensors: whole HF tensors, the rank's TP slices, q/k/v as row blocks
+MODES = {1: ("whole", "blocks"), 2: ("whole", "sliced", "blocks")}
 
 
 def _write_config(folder: str, arch: str, **overrides: int) -> None:
@@ -59,10 +62,25 @@ def _build(folder: str, world: int) -> torch.nn.Module:
     return model
 
 
+def _row_blocks(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each layer's q/k/v (weight, bias) as the bridge's row blocks of the Megatron-interleaved linear_qkv."""
+    from bridges.mapping import QKV, ModelShape, Shard
+
+    head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
+    mapping, out = QKV("qkv", "q", "k", "v"), {}
+    for name in [n for n in hf if ".q_proj." in n]:
+        names = [name.replace(".q_proj.", f".{p}_proj.") for p in "qkv"]
+        shape = ModelShape(TINY["num_attention_heads"], hf[names[1]].shape[0] // head_dim, head_dim)
+        full = mapping.load([hf[n] for n in names], Shard(), shape)
+        out.update(zip(names, mapping.to_hf_blocks(full, shape)))
+    return out
+
+
 def _rank_main(rank: int, world: int, cases: list[tuple[str, str]]) -> list[dict]:
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
+    from bridges.export import ROW_BLOCKS
     from rollout_adapters.vllm.direct_load import DirectLoader
 
     with set_current_vllm_config(_config(cases[0][1], world)):
@@ -75,21 +93,24 @@ def _rank_main(rank: int, world: int, cases: list[tuple[str, str]]) -> list[dict
         reference = _build(folder, world)
         reference.load_weights(weights=list(hf.items()))
         want = dict(reference.named_parameters())
-        for sliced in (False, True) if world > 1 else (False,):
+        blocks = _row_blocks(hf)
+        for mode in MODES[world]:
             model = _build(folder, world)
             loader = DirectLoader(model)
             items: list[tuple] = []
             for name, t in hf.items():
                 dim = next((d for part, d in SLICED.items() if f".{part}." in name), None)
                 kv_whole = (".k_proj." in name or ".v_proj." in name) and t.shape[0] // world < 16  # < 1 head
-                if sliced and dim is not None and dim < t.dim() and not kv_whole:
+                if mode == "blocks" and name in blocks:
+                    items.append((name, blocks[name], ROW_BLOCKS))
+                elif mode == "sliced" and dim is not None and dim < t.dim() and not kv_whole:
                     size = t.shape[dim] // world
                     items.append((name, t.narrow(dim, rank * size, size).contiguous(), [dim, rank, world]))
                 else:
                     items.append((name, t))
             loader.load(items)
             got = dict(model.named_parameters())
-            out.append({"arch": arch, "folder": folder, "sliced": sliced, "stats": loader.stats, "world": world,
+            out.append({"arch": arch, "folder": folder, "mode": mode, "stats": loader.stats, "world": world,
                         "mapped": len(loader.map), "mismatched": sorted(n for n in want if not torch.equal(got[n],
                                                                                                     want[n]))})
     return out
@@ -118,7 +139,7 @@ def _check(results: list[dict]) -> None:
 def test_tp1_destinations_give_the_params_of_load_weights(folders):
     results = launch(_rank_main, 1, [(a, folders[a]) for a in FAMILIES], timeout_s=600)
     _check(results[0])
-    assert {r["arch"] for r in results[0]} == set(FAMILIES)
+    assert {(r["arch"], r["mode"]) for r in results[0]} == {(a, m) for a in FAMILIES for m in MODES[1]}
 
 
 def test_tp2_destinations_and_slices_give_each_ranks_params_of_load_weights(folders):
@@ -126,7 +147,7 @@ def test_tp2_destinations_and_slices_give_each_ranks_params_of_load_weights(fold
     results = launch(_rank_main, 2, cases, timeout_s=600, env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
     for per_rank in results:
         _check(per_rank)
-        assert {(r["folder"], r["sliced"]) for r in per_rank} == {(f, s) for _, f in cases for s in (False, True)}
+        assert {(r["folder"], r["mode"]) for r in per_rank} == {(f, m) for _, f in cases for m in MODES[2]}
 
 
 if __name__ == "__main__":  # quick manual run

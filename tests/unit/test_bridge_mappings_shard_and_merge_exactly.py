@@ -55,6 +55,11 @@ def test_fused_qkv_is_group_interleaved_and_round_trips(tp, bias, heads, groups)
     )
     assert torch.equal(full, expected)
     assert all(torch.equal(a, b) for a, b in zip(mapping.to_hf(full, shape), (q, k, v)))
+    # the one-copy sender's row blocks: views of `full` (nothing copied) whose flatten(0, 1) is each HF tensor
+    blocks = mapping.to_hf_blocks(full, shape)
+    assert [b.shape[:2] for b in blocks] == [(groups, per_group * d), (groups, d), (groups, d)]
+    assert all(b.untyped_storage().data_ptr() == full.untyped_storage().data_ptr() for b in blocks)
+    assert all(torch.equal(a.flatten(0, 1), b) for a, b in zip(blocks, (q, k, v)))
     if groups >= tp:  # each rank read only its own heads: together exactly one copy of q, k and v
         assert sum(r.read for r in readers) == q.numel() + k.numel() + v.numel()
     else:  # megatron-core's layout: the full interleaved tensor in TP equal row blocks

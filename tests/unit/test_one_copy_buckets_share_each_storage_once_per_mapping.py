@@ -4,14 +4,16 @@ shared once per sync however many buckets use it; a storage a tensor fills (the 
 in its bucket, marked transient, and shared again if a later bucket needs it; entries describe each tensor as a
 strided view of its storage, which the receiver's `view_of` turns back into the tensor; a bucket's tensors are held
 until the ring slot is reused; small tensors of their own storage are copied into the staging buffer of their
-bucket's slot, which is shared once per sync and kept mapped (no mapping dropped per bucket)."""
+bucket's slot, which is shared once per sync and kept mapped (no mapping dropped per bucket); fused QKV's row blocks
+travel as views of linear_qkv (kept, never staged) and reach the loader as blocks, or flattened into HF tensors."""
 
 import base64
 
 import torch
 
-from bridges.export import TpSlice
-from mrl.weight_sync.handles import share_buckets, view_of
+from bridges.export import ROW_BLOCKS, TpSlice
+from bridges.mapping import QKV, ModelShape
+from mrl.weight_sync.handles import HandleReader, share_buckets, view_of
 
 
 class Recorder:
@@ -88,3 +90,28 @@ def test_a_bucket_ends_early_when_its_staged_tensors_would_overflow_the_slot():
     assert [e[4] for e in meta["entries"]] == [0, 64, 128, 192]  # 256-byte aligned offsets, in float32 elements
     small = list(share_buckets(iter(stream), 600, lambda k: None, [[], []], None, Recorder(), stage_below=64))
     assert [len(m["entries"]) for _, m in small] == [3, 1]  # the fourth would start at byte 768 of a 600-byte slot
+
+
+def test_row_blocks_are_shared_as_views_of_linear_qkv_and_read_as_blocks_or_hf_tensors(monkeypatch):
+    import rollout_adapters.cuda_ipc as cuda_ipc
+
+    shape = ModelShape(num_heads=4, num_query_groups=2, head_dim=2)
+    flat = torch.arange(2 * 8 * 3 + 8, dtype=torch.float32)  # Megatron's parameter buffer
+    qkv = flat[8:].view(16, 3)  # linear_qkv, a view at an offset: 2 groups of (2 q heads, k, v) x 2 rows
+    mapping = QKV("qkv", "q", "k", "v")
+    hf = dict(zip("qkv", mapping.to_hf(qkv, shape)))
+    stream = [(n, b, TpSlice(0, 1, 2), ROW_BLOCKS) if n == "k" else (n, b, ROW_BLOCKS)
+              for n, b in zip("qkv", mapping.to_hf_blocks(qkv, shape))]
+    share = Recorder()
+    counts: dict = {}
+    (_, meta), = share_buckets(iter(stream), 1 << 20, lambda k: None, [[], []], counts, share, ring=[])
+    assert counts == {"buckets": 1, "handles": 1, "staged_bytes": 0}  # one view of one storage, nothing staged
+    q, k, _ = meta["entries"]
+    assert q == ["q", "float32", [2, 4, 3], [24, 3, 1], 8, 0, None, 1] and k[6:] == [[0, 1, 2], 1]
+    monkeypatch.setattr(cuda_ipc, "open_cuda_buffer", lambda handle: share.storages[int(handle)])
+    kept = dict((n, (t, tags)) for n, t, *tags in HandleReader(keep_parts=True).read(meta))
+    assert all(torch.equal(kept[n][0].flatten(0, 1), hf[n]) for n in "qkv")
+    assert kept["q"][1] == [ROW_BLOCKS] and kept["k"][1] == [[0, 1, 2], ROW_BLOCKS]
+    flattened = dict(HandleReader().read(meta))  # a loader of HF tensors: q, v as they are, k full-shaped
+    assert torch.equal(flattened["q"], hf["q"]) and torch.equal(flattened["v"], hf["v"])
+    assert flattened["k"].shape == (8, 3) and torch.equal(flattened["k"][4:], hf["k"])

@@ -1,6 +1,8 @@
 """The one-copy loader's per-tensor choice (rollout_adapters/vllm/direct_load.py `Destination`): a destination takes
 this engine rank's rows of a full HF tensor, or of a TP slice that holds them; a slice that does not hold them, or
-a slice for a parameter that takes whole tensors, is left to the model's loaders (None)."""
+a slice for a parameter that takes whole tensors, is left to the model's loaders (None); a tensor that comes as row
+blocks [blocks, rows, *rest] (fused QKV's q/k/v from the one-copy sender) gives its rows as whole blocks, or None
+where the rows span a cut block (rows within one block come as that block's rows)."""
 
 import torch
 
@@ -38,3 +40,18 @@ def test_a_vocabulary_destination_takes_only_the_unpadded_vocabulary():
     vocab = Destination("embed", dim=0, start=0, length=5, src_start=0, zero_rest=True)
     assert vocab.source(torch.ones(5, 2)).shape == (5, 2)
     assert vocab.source(torch.ones(8, 2)) is None  # padded rows from elsewhere: the loader decides
+
+
+def test_row_blocks_give_whole_blocks_of_their_rows_or_fall_back():
+    full = torch.arange(48.0).reshape(12, 4)
+    blocks = full.view(4, 3, 4)  # 4 blocks of 3 rows
+    dest = Destination("qkv", dim=0, start=0, length=6, src_start=6)  # rows 6..12: blocks 2 and 3
+    assert torch.equal(dest.source(blocks, None, blocks=True), blocks[2:])
+    assert torch.equal(dest.source(blocks, None, blocks=True).flatten(0, 1), dest.source(full))
+    rank1 = blocks[2:].clone()  # TP rank 1's slice of 2, as blocks: rows 6..12 of the full tensor
+    assert torch.equal(dest.source(rank1, [0, 1, 2], blocks=True), rank1)
+    assert Destination("qkv", dim=0, start=0, length=4, src_start=6).source(blocks, None, blocks=True) is None
+    assert Destination("qkv", dim=0, start=0, length=3, src_start=4).source(blocks, None, blocks=True) is None
+    within = Destination("qkv", dim=0, start=0, length=2, src_start=4).source(blocks, None, blocks=True)
+    assert within.shape == (1, 2, 4) and torch.equal(within.flatten(0, 1), full[4:6])
+    assert Destination("w").source(blocks, None, blocks=True) is blocks  # whole parameter: all blocks

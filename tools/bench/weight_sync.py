@@ -15,10 +15,13 @@ On a CPU-only machine it runs a tiny shape (shared memory and gloo) to check the
 
 `--one-copy` (weight_sync.one_copy): the sender shares its exported tensors' own memory instead of packing buckets
 (mrl/weight_sync/handles.py) and the receiver copies each straight into its parameters: one device copy, goal ≥ 0.5×
-the device-copy rate. Rows: `ipc` (two copies) and `ipc one-copy` into the receiver above, then, unless --no-vllm,
-both into a live vLLM (random weights, sleep mode on as in hybrid runs, eager) whose worker extension loads them
-(one-copy: straight into its parameter views, rollout_adapters/vllm/direct_load.py; two copies: today's layer-wise
-reload), each checked by per-parameter sums read back from the engine. The Megatron parameters are first moved into
+the device-copy rate. Fused QKV's q/k/v go as row blocks of the trainer's linear_qkv (bridges/export.py), so the
+sender copies nothing; `q/k/v copied` rows export them as contiguous tensors instead (the sender then stages them).
+Rows: `ipc` (two copies), `ipc one-copy` and `ipc one-copy, q/k/v copied` into the receiver above (checked by
+position-weighted sums of the embedding and layer 0's qkv_proj), then, unless --no-vllm, the same into a live vLLM
+(random weights, sleep mode on as in hybrid runs, eager) whose worker extension loads them (one-copy: straight into
+its parameter views, rollout_adapters/vllm/direct_load.py; two copies: today's layer-wise reload), each checked by
+per-parameter sums read back from the engine. The Megatron parameters are first moved into
 one flat buffer per dtype, as Megatron's DDP holds them with the distributed optimizer (the default), so the sync
 shares a few storages, not one per tensor (--no-flat-params: one per tensor).
 
@@ -46,6 +49,14 @@ QWEN2_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
 SYNC_TIMEOUT_S = 60.0
 TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False)
+
+
+# (one_copy, row_blocks) of the ipc rows: two copies; one copy; one copy with q/k/v exported as contiguous copies
+VARIANTS = ((False, False), (True, True), (True, False))
+
+
+def label(one_copy: bool, row_blocks: bool) -> str:
+    return "ipc" if not one_copy else "ipc one-copy" if row_blocks else "ipc one-copy, q/k/v copied"
 
 
 def _device(index: int = 0) -> torch.device:
@@ -89,12 +100,17 @@ class InferenceModel:
             self.slots[p + "mlp.up_proj.weight"] = (p + "mlp.gate_up_proj.weight", inter)
         self.loaded = 0
 
-    def load(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        for name, tensor in named:
+    def load(self, named: list[tuple]) -> None:
+        """(name, tensor) or, one-copy, (name, row blocks [blocks, rows, *rest], ROW_BLOCKS) (handles.py)."""
+        from mrl.weight_sync.handles import parts
+
+        for name, tensor, *tags in named:
+            blocks = parts(tags)[1]
             target, start = self.slots.get(name, (name, None))
             param = self.params[target]
-            dst = param if start is None else param.narrow(0, start, tensor.shape[0])
-            dst.copy_(tensor, non_blocking=True)
+            rows = tensor.shape[0] * tensor.shape[1] if blocks else tensor.shape[0]
+            dst = param if start is None else param.narrow(0, start, rows)
+            (dst.unflatten(0, tensor.shape[:2]) if blocks else dst).copy_(tensor, non_blocking=True)
             self.loaded += 1
 
 
@@ -166,13 +182,13 @@ def receiver_main(shape: dict[str, Any], device_index: int, inbox: Any, outbox: 
             param.zero_()
         _sync()
         try:
-            count = receive_into(spec, 1, model.load)
+            count = receive_into(spec, 1, model.load, keep_parts=bool(spec.get("one_copy")))
         except Exception as error:  # reported by the sender's row; the next job still runs
-            outbox.put((-1, float("nan"), {}))
+            outbox.put((-1, {}, {}))
             print(f"receiver failed: {type(error).__name__}: {error}", flush=True)
             continue
         _sync()
-        outbox.put((count, float(model.params["model.embed_tokens.weight"].float().sum()),
+        outbox.put((count, {n: fingerprint(model.params[n]) for n in CHECKED},
                     dict(HandleReader.last) if spec.get("one_copy") else {}))
 
 
@@ -190,7 +206,8 @@ def time_copy(nbytes: int, device: torch.device, reps: int = 5) -> float:
     return statistics.median(times[1:])
 
 
-def time_sync(sender: Any, bridge: Any, chunks: Any, inbox: Any, outbox: Any) -> dict[str, Any]:
+def time_sync(sender: Any, bridge: Any, chunks: Any, inbox: Any, outbox: Any, row_blocks: bool = False
+              ) -> dict[str, Any]:
     """One sync through `sender`; a sender that keeps its group (keep_group) still holds it afterwards."""
     spec = sender.prepare()
     inbox.put(("sync", spec))
@@ -200,7 +217,7 @@ def time_sync(sender: Any, bridge: Any, chunks: Any, inbox: Any, outbox: Any) ->
     setup_s = time.perf_counter() - start
     start = time.perf_counter()
     try:
-        sent = sender.send_weights(bridge.export(chunks))
+        sent = sender.send_weights(bridge.export(chunks, row_blocks=row_blocks))
         sender.wait_done()  # the receiver has loaded every bucket
     except BaseException:
         sender.finalize(wait=False)
@@ -209,9 +226,31 @@ def time_sync(sender: Any, bridge: Any, chunks: Any, inbox: Any, outbox: Any) ->
     start = time.perf_counter()
     sender.finalize()  # nccl: destroys its communicator and frees the buffers, or keeps both and clears the keys
     teardown_s = time.perf_counter() - start
-    count, checksum, mapping = outbox.get(timeout=2 * SYNC_TIMEOUT_S)
+    count, sums, mapping = outbox.get(timeout=2 * SYNC_TIMEOUT_S)
     return {"seconds": seconds, "setup_s": setup_s, "teardown_s": teardown_s, "tensors": sent, "received": count,
-            "embed_sum": checksum, "shared": {**getattr(sender, "shared", {}), **mapping}}
+            "sums": sums, "shared": {**getattr(sender, "shared", {}), **mapping}}
+
+
+# The receiver's parameters whose position-weighted sums check a sync (layer 0's qkv_proj: q/k/v rows in place).
+CHECKED = ("model.embed_tokens.weight", "model.layers.0.self_attn.qkv_proj.weight",
+           "model.layers.0.self_attn.qkv_proj.bias")
+
+
+def fingerprint(tensor: torch.Tensor) -> float:
+    """A position-weighted float64 sum: unlike a plain sum, it changes when rows land in the wrong place."""
+    flat = tensor.detach().reshape(-1).double()
+    return float((flat * torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=flat.device)).sum())
+
+
+def expected_fingerprints(bridge: Any, chunks: Any) -> dict[str, float]:
+    """`fingerprint` of each CHECKED parameter as the export fills it (q, k, v rows in order)."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    for name, tensor in bridge.export(chunks):
+        if name == CHECKED[0]:
+            parts[name] = [tensor]
+        elif name.startswith("model.layers.0.self_attn.") and name.split(".")[-2] in ("q_proj", "k_proj", "v_proj"):
+            parts.setdefault(name.replace(name.split(".")[-2], "qkv_proj"), []).append(tensor.clone())
+    return {name: fingerprint(torch.cat(parts[name])) for name in CHECKED}
 
 
 def expected_sums(bridge: Any, chunks: Any) -> dict[str, float]:
@@ -229,7 +268,7 @@ def expected_sums(bridge: Any, chunks: Any) -> dict[str, float]:
     return sums
 
 
-def vllm_sync(llm: Any, bridge: Any, chunks: Any, bucket: int, one_copy: bool) -> dict[str, Any]:
+def vllm_sync(llm: Any, bridge: Any, chunks: Any, bucket: int, one_copy: bool, row_blocks: bool) -> dict[str, Any]:
     """One sync into the live engine (its worker extension's receive, called from a thread: LLM.collective_rpc
     blocks). `seconds`: until the engine reported every bucket loaded; `rpc_s`: until its call returned (the
     two-copy path finalises the layer-wise reload after that)."""
@@ -256,7 +295,7 @@ def vllm_sync(llm: Any, bridge: Any, chunks: Any, bucket: int, one_copy: bool) -
         sender.init_process_group()
         setup_s = time.perf_counter() - start
         start = time.perf_counter()
-        sent = sender.send_weights(bridge.export(chunks))
+        sent = sender.send_weights(bridge.export(chunks, row_blocks=row_blocks))
         sender.wait_done()
         seconds = time.perf_counter() - start
         sender.finalize()
@@ -286,17 +325,17 @@ def time_vllm(args: Any, folder: str, bridge: Any, chunks: Any, total: int, copy
     bucket = int(float(args.vllm_bucket_mb) * 2**20) if cuda else 64 << 10
     rows = []
     try:
-        for one_copy in (False, True):
-            if one_copy:  # other weights than the two-copy syncs left in the engine, so the sums tell them apart
+        for i, (one_copy, blocks) in enumerate(VARIANTS):
+            if i:  # other weights than the previous syncs left in the engine, so the sums tell them apart
                 for chunk in chunks:
                     for param in chunk.parameters():
                         param.data.neg_()
             want = expected_sums(bridge, chunks)
             try:
-                runs = [vllm_sync(llm, bridge, chunks, bucket, one_copy) for _ in range(args.repeats + 1)]
-            except Exception as error:  # the other path still runs
+                runs = [vllm_sync(llm, bridge, chunks, bucket, one_copy, blocks) for _ in range(args.repeats + 1)]
+            except Exception as error:  # the other paths still run
                 traceback.print_exc()
-                rows.append({"transport": "ipc one-copy" if one_copy else "ipc", "receiver_device": "vLLM",
+                rows.append({"transport": label(one_copy, blocks), "receiver_device": "vLLM",
                              "error": f"{type(error).__name__}: {error}"})
                 continue
             stats = llm.collective_rpc("mrl_load_stats")[0]
@@ -305,7 +344,7 @@ def time_vllm(args: Any, folder: str, bridge: Any, chunks: Any, total: int, copy
             names = [n for n in want if cuda or not n.endswith("proj.weight")]
             bad = sorted(n for n in names if n not in got or abs(got[n] - want[n]) > 1e-6 * (1 + abs(want[n])))
             best = min(runs[1:], key=lambda r: r["seconds"])  # the first builds the one-copy map, opens handles
-            row = {"transport": "ipc one-copy" if one_copy else "ipc", "receiver_device": "vLLM",
+            row = {"transport": label(one_copy, blocks), "receiver_device": "vLLM",
                    "bucket_mb": bucket / 2**20, **best, "gb_s": total / best["seconds"] / 1e9,
                    "ratio_vs_copy": copy_s / best["seconds"], "rpc_ratio_vs_copy": copy_s / best["rpc_s"],
                    "all_seconds": [r["seconds"] for r in runs], "all_rpc_s": [r["rpc_s"] for r in runs],
@@ -377,7 +416,7 @@ def main() -> None:
     bridge, chunks = build_megatron(shape, folder)
     flat = 0 if args.no_flat_params else flatten_params(chunks)
     total = sum(t.numel() * t.element_size() for _, t in bridge.export(chunks))
-    expected_sum = float(chunks[0].embedding.word_embeddings.weight.detach().float().sum())
+    expected = expected_fingerprints(bridge, chunks)
     _sync()
     start = time.perf_counter()
     for _ in bridge.export(chunks):  # convert only: the export's own copies (e.g. splitting fused qkv)
@@ -399,25 +438,27 @@ def main() -> None:
         proc = ctx.Process(target=receiver_main, args=(shape, device_index, inbox, outbox))
         proc.start()
         try:
-            for bucket, one_copy in [(b, o) for b in sizes for o in ((False, True) if args.one_copy else (False,))]:
+            for bucket, (one_copy, blocks) in [(b, v) for b in sizes for v in
+                                               (VARIANTS if args.one_copy else VARIANTS[:1])]:
                 kw = {"one_copy": True} if one_copy else {}
+                name = transport if transport == "nccl" else label(one_copy, blocks)
                 try:
                     runs = [time_sync(make_sender(transport, 2, bucket, SYNC_TIMEOUT_S, device=_device(0), **kw),
-                                      bridge, chunks, inbox, outbox) for _ in range(args.repeats)]
+                                      bridge, chunks, inbox, outbox, blocks) for _ in range(args.repeats)]
                 except Exception as error:  # the next rows still run
                     traceback.print_exc()
                     with contextlib.suppress(Exception):
                         outbox.get(timeout=SYNC_TIMEOUT_S)  # the receiver's failure report
-                    result["rows"].append({"transport": transport + (" one-copy" if one_copy else ""),
-                                           "receiver_device": device_index, "error": f"{type(error).__name__}: "
-                                                                                    f"{error}"})
+                    result["rows"].append({"transport": name, "receiver_device": device_index,
+                                           "error": f"{type(error).__name__}: {error}"})
                     continue
                 best = min(runs, key=lambda r: r["seconds"])
-                row = {"transport": transport + (" one-copy" if one_copy else ""), "receiver_device": device_index,
+                row = {"transport": name, "receiver_device": device_index,
                        "bucket_mb": bucket / 2**20,
                        **best, "gb_s": total / best["seconds"] / 1e9, "ratio_vs_copy": copy_s / best["seconds"],
                        "all_seconds": [r["seconds"] for r in runs],
-                       "checksum_ok": abs(best["embed_sum"] - expected_sum) <= 1e-3 * max(1.0, abs(expected_sum))}
+                       "checksum_ok": all(abs(best["sums"].get(n, float("nan")) - want) <= 1e-9 * max(1.0, abs(want))
+                                          for n, want in expected.items())}
                 if transport == "nccl":
                     raw = time_raw_broadcast(total, bucket, inbox, outbox)
                     row.update(raw_broadcast_s=raw, ratio_vs_raw_broadcast=raw / best["seconds"],

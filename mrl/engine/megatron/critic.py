@@ -62,5 +62,5 @@ class MegatronCritic(MegatronEngine):
     def _output_keys(self, entropy: bool) -> list[str]:
         return ["values"]
 
-    def export_weights(self, tp_slices: bool = False):
+    def export_weights(self, tp_slices: bool = False, row_blocks: bool = False):
         raise NotImplementedError("a critic's weights are not synced to rollout engines")

@@ -490,8 +490,8 @@ class MegatronEngine(BaseEngine):
     def unwrapped(self) -> list[torch.nn.Module]:
         return [chunk.module for chunk in self.model]
 
-    def export_weights(self, tp_slices: bool = False) -> Iterator[tuple]:
-        return self.bridge.export(self.unwrapped(), tp_slices=tp_slices)
+    def export_weights(self, tp_slices: bool = False, row_blocks: bool = False) -> Iterator[tuple]:
+        return self.bridge.export(self.unwrapped(), tp_slices=tp_slices, row_blocks=row_blocks)
 
     def to(self, device: str, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
         """`to("cpu")` offloads the selected state (its device storage is freed); any other device brings it
