@@ -151,13 +151,18 @@ def share_buckets(
         yield from flush()
 
 
-def view_of(raw: torch.Tensor, entry: list) -> torch.Tensor:
-    """The tensor of `entry` as a view of its storage `raw` (uint8, the whole storage): a view, so that vLLM's
-    layer-wise buffering (which copies views of transport memory) copies it."""
-    _, dtype, shape, stride, offset = entry[:5]
+def typed_view(raw: torch.Tensor, dtype: str) -> torch.Tensor:
+    """Storage `raw` (uint8, the whole storage) as a flat tensor of `dtype` (its whole elements)."""
     dt = getattr(torch, dtype)
     size = torch.empty((), dtype=dt).element_size()
-    return raw[: raw.numel() - raw.numel() % size].view(dt).as_strided(shape, stride, offset)
+    return raw[: raw.numel() - raw.numel() % size].view(dt)
+
+
+def view_of(raw: torch.Tensor, entry: list) -> torch.Tensor:
+    """The tensor of `entry` as a view of its storage `raw`: a view, so that vLLM's layer-wise buffering (which
+    copies views of transport memory) copies it."""
+    _, dtype, shape, stride, offset = entry[:5]
+    return typed_view(raw, dtype).as_strided(shape, stride, offset)
 
 
 def parts(tags: Iterable[Any]) -> tuple[list | None, bool]:
@@ -187,6 +192,9 @@ class HandleReader:
         # that places them itself (see `parts`)
         self.keep_parts = keep_parts
         self._open: dict[int, torch.Tensor] = {}
+        # (storage, dtype) -> the storage as that dtype: one view per storage, not three per tensor (host time
+        # per bucket is what the receiver adds to the copies)
+        self._typed: dict[tuple[int, str], torch.Tensor] = {}
         self._transient: list[int] = []
         # wait_s: host seconds waiting for the sender to announce a bucket (the sender is behind)
         self.stats = {"mapped": 0, "map_s": 0.0, "unmap_s": 0.0, "wait_s": 0.0}
@@ -202,7 +210,10 @@ class HandleReader:
         self._transient = list(meta["transient"])
         named: list[tuple] = []
         for entry in meta["entries"]:
-            name, tensor = entry[0], view_of(self._open[entry[5]], entry)
+            key = (entry[5], entry[1])
+            if (typed := self._typed.get(key)) is None:
+                typed = self._typed[key] = typed_view(self._open[entry[5]], entry[1])
+            name, tensor = entry[0], typed.as_strided(entry[2], entry[3], entry[4])
             tp_slice, blocks = entry[6] if len(entry) > 6 else None, len(entry) > 7
             if self.keep_parts:
                 tags = ([tp_slice] if tp_slice else []) + ([ROW_BLOCKS] if blocks else [])
@@ -216,12 +227,13 @@ class HandleReader:
         start = time.perf_counter()
         for index in self._transient:
             self._open.pop(index, None)
+        self._typed = {key: view for key, view in self._typed.items() if key[0] in self._open}
         self._transient = []
         self.stats["unmap_s"] += time.perf_counter() - start
 
     def release(self) -> None:
         """The sync is over: drop every mapping."""
         start = time.perf_counter()
-        self._open, self._transient = {}, []
+        self._open, self._typed, self._transient = {}, {}, []
         self.stats["unmap_s"] += time.perf_counter() - start
 
