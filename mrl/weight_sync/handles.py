@@ -7,9 +7,11 @@ memory into its parameters: one device copy. Handles go this way round because v
 the engine's weights through cuMemCreate without a shareable handle type, which CUDA IPC cannot export.
 
 A bucket holds at most `bucket_bytes` of tensors (a larger tensor is a bucket alone); the sender keeps the bucket's
-tensors alive until every receiver acknowledged it, so at most two buckets of fresh tensors are held, and small
-fresh tensors (the export's split q/k/v, biases) are copied into a two-slot staging ring that stays mapped for the
-whole sync (`share_buckets` says which storages stay mapped and why that matters).
+fresh tensors alive until every receiver acknowledged it, so at most two buckets of them are held, and small fresh
+tensors (biases, split q/k/v without row blocks) are copied into a two-slot staging ring that stays mapped for the
+whole sync (`share_buckets` says which storages stay mapped and why that matters). A bucket of views only (a
+Megatron export with row blocks: every tensor a view of the parameter buffers) holds nothing, so the sender does
+not wait for it: it announces every bucket as fast as it can and waits for the receivers at the end only.
 Entries are `[name, dtype, shape, stride, offset, storage]` (+ `[dim, rank, size]` for a TP slice, as in
 buckets.py; + `[tp slice or None, 1]` for row blocks): `offset` in elements of `dtype` from the start of storage
 number `storage`, whose handle (base64 of `rollout_adapters.cuda_ipc.share_cuda_buffer`) came in the `storages` of
@@ -59,8 +61,11 @@ def share_buckets(
     stage_below: int | None = None, ring: list[torch.Tensor] | None = None,
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """Group the stream into buckets of ≤ `bucket_bytes`; yield (bucket index, meta: entries, new storages).
-    `held[k % len(held)]` keeps bucket k's tensors alive; it is cleared after `before_reuse(k)` (the transport's
-    wait for the receivers of bucket k - len(held)). `counts` gets the buckets and storage handles shared.
+    `held[k % len(held)]` keeps bucket k's transient tensors alive; before bucket k reuses a slot that bucket
+    k - len(held) left holding tensors or staged bytes, `before_reuse(k)` (the transport's wait for the receivers
+    of that bucket) runs and the slot is cleared; a slot left empty is reused without waiting (views of kept
+    storages need no keeping: torch's CUDA IPC keeps a shared storage alive while a receiver maps it).
+    `counts` gets the buckets and storage handles shared, staged bytes, and the waits (`reuse_waits`).
 
     torch's CUDA IPC counts one consumer per share, so every storage is shared once per mapping, and dropping a
     mapping makes the receiver wait for every copy it has queued (torch synchronises its stream): a mapping
@@ -83,7 +88,8 @@ def share_buckets(
     slot_bytes = min(bucket_bytes, STAGE_SLOT_BYTES)
     ring = [] if ring is None else ring
     counts = {} if counts is None else counts
-    counts.update(buckets=0, handles=0, staged_bytes=0)
+    counts.update(buckets=0, handles=0, staged_bytes=0, reuse_waits=0)
+    slot_staged = [False] * len(held)  # whether the slot's last bucket staged tensors in its ring buffer
     kept: dict[int, int] = {}  # storage address -> index, for the whole sync
     ring_index: dict[int, int] = {}  # ring slot -> its storage index in this sync
     k, used, staged, entries, storages, transient, seen = 0, 0, 0, [], {}, {}, set()
@@ -104,6 +110,7 @@ def share_buckets(
             ring_index[slot] = add_storage(ring[slot], keep=True)
         n = t.numel() * t.element_size()
         ring[slot][staged:staged + n].view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
+        slot_staged[slot] = True
         entry[3:6] = [_contiguous_strides(t.shape), staged // t.element_size(), ring_index[slot]]
         staged = _align(staged + n)
         counts["staged_bytes"] += n
@@ -114,9 +121,11 @@ def share_buckets(
         counts["buckets"] += 1
         counts["handles"] += len(storages)
         k, used, staged, entries, storages, transient = k + 1, 0, 0, [], {}, {}
-        if k >= len(held):
+        slot = k % len(held)
+        if k >= len(held) and (held[slot] or slot_staged[slot]):
             before_reuse(k)
-        held[k % len(held)] = []  # the receivers are done with the bucket this slot carried
+            counts["reuse_waits"] += 1
+        held[slot], slot_staged[slot] = [], False  # the receivers are done with the bucket this slot carried
 
     for name, tensor, *tags in named_tensors:
         if name in seen:
@@ -144,7 +153,8 @@ def share_buckets(
         else:
             if index is None:
                 entry[5] = add_storage(t, keep=not own)
-            held[k % len(held)].append(t)
+            if own:
+                held[k % len(held)].append(t)
         entries.append(entry)
         used += nbytes
     if entries:

@@ -2,8 +2,9 @@
 `share` (CUDA IPC itself runs in tests/gpu): a storage its tensors only view (a contiguous parameter buffer) is
 shared once per sync however many buckets use it; a storage a tensor fills (the export's own tensors) is shared
 in its bucket, marked transient, and shared again if a later bucket needs it; entries describe each tensor as a
-strided view of its storage, which the receiver's `view_of` turns back into the tensor; a bucket's tensors are held
-until the ring slot is reused; small tensors of their own storage are copied into the staging buffer of their
+strided view of its storage, which the receiver's `view_of` turns back into the tensor; a bucket's transient
+tensors are held until the ring slot is reused, after a wait for its receivers, and a slot that holds nothing is
+reused without one; small tensors of their own storage are copied into the staging buffer of their
 bucket's slot, which is shared once per sync and kept mapped (no mapping dropped per bucket); fused QKV's row blocks
 travel as views of linear_qkv (kept, never staged) and reach the loader as blocks, or flattened into HF tensors."""
 
@@ -43,7 +44,7 @@ def test_buckets_share_kept_storages_once_and_transient_ones_per_bucket():
     assert [len(m["entries"]) for _, m in buckets] == [2, 2, 1]  # 64 bytes a tensor, two per bucket
     assert shared.count(flat.untyped_storage().data_ptr()) == 1  # kept: once for the sync
     assert shared.count(own.untyped_storage().data_ptr()) == 2  # transient: in bucket 0 and again in bucket 2
-    assert counts == {"buckets": 3, "handles": 3, "staged_bytes": 0}
+    assert counts == {"buckets": 3, "handles": 3, "staged_bytes": 0, "reuse_waits": 1}
     (_, m0), (_, m1), (_, m2) = buckets
     assert m0["transient"] == [1] and m1["transient"] == [] and m2["transient"] == [2]
     assert set(m0["storages"]) == {"0", "1"} and m1["storages"] == {} and set(m2["storages"]) == {"2"}
@@ -53,7 +54,7 @@ def test_buckets_share_kept_storages_once_and_transient_ones_per_bucket():
     assert m1["entries"][0] == ["b", "float32", [4, 4], [1, 4], 16, 0]  # a transposed view at its offset
     assert m1["entries"][1] == ["c", "float32", [4, 4], [4, 1], 32, 0, [0, 1, 2]]
     assert m2["entries"][0] == ["q2", "float32", [2, 8], [8, 1], 0, 2]
-    assert reused == [2, 3]  # bucket 2 reuses bucket 0's slot, the end bucket 1's
+    assert reused == [2]  # bucket 2 reuses bucket 0's slot, which held `q`; bucket 1 held views only: no wait
     # a slot's tensors are dropped once its bucket was waited for; the last bucket's stay until the sender's end
     assert [t.shape for t in held[0]] == [(2, 8)] and held[1] == []
 
@@ -63,10 +64,10 @@ def test_small_tensors_of_their_own_are_staged_in_their_slots_buffer_shared_once
     stream = [("w", flat[:16].view(4, 4)), ("bias", torch.full((3,), 2.0)), ("q", torch.randn(2, 4).t()),
               ("big", torch.randn(64)), ("w2", flat[16:32]), ("bias2", torch.full((5,), 3.0)),
               ("bias3", torch.full((2,), 4.0))]
-    share, held, ring, mapped, got = Recorder(), [[], []], [], {}, {}
+    share, held, ring, mapped, got, reused = Recorder(), [[], []], [], {}, {}, []
     counts: dict = {}
     # 300-byte buckets (and slots; staged offsets are 256-byte aligned): w, bias, q | big | w2, bias2, bias3
-    buckets = share_buckets(iter(stream), 300, lambda k: None, held, counts, share, stage_below=128, ring=ring)
+    buckets = share_buckets(iter(stream), 300, reused.append, held, counts, share, stage_below=128, ring=ring)
     for k, meta in buckets:
         mapped.update(share.mapped(meta))
         # read now: the sender refills a slot's staging buffer once that slot's bucket was waited for
@@ -80,8 +81,9 @@ def test_small_tensors_of_their_own_are_staged_in_their_slots_buffer_shared_once
     ptrs = [t.untyped_storage().data_ptr() for t in share.storages]
     assert len(ring) == 1 and ring[0].numel() == 300  # bucket 1 staged nothing: slot 1 never allocated
     assert ptrs.count(ring[0].untyped_storage().data_ptr()) == 1  # shared once, used by buckets 0 and 2
-    assert counts == {"buckets": 3, "handles": 3, "staged_bytes": 12 + 32 + 20 + 8}
-    assert [t.shape for t in held[0]] == [(16,)]  # bucket 2 holds w2 only: staged tensors' copies are queued
+    assert counts == {"buckets": 3, "handles": 3, "staged_bytes": 12 + 32 + 20 + 8, "reuse_waits": 2}
+    assert reused == [2, 3]  # slot 0 staged in bucket 0, slot 1 held `big`
+    assert held == [[], []]  # w2 is a view, staged tensors' copies are queued: bucket 2 holds nothing
 
 
 def test_a_bucket_ends_early_when_its_staged_tensors_would_overflow_the_slot():
@@ -105,7 +107,7 @@ def test_row_blocks_are_shared_as_views_of_linear_qkv_and_read_as_blocks_or_hf_t
     share = Recorder()
     counts: dict = {}
     (_, meta), = share_buckets(iter(stream), 1 << 20, lambda k: None, [[], []], counts, share, ring=[])
-    assert counts == {"buckets": 1, "handles": 1, "staged_bytes": 0}  # one view of one storage, nothing staged
+    assert counts == {"buckets": 1, "handles": 1, "staged_bytes": 0, "reuse_waits": 0}  # one storage, no staging
     q, k, _ = meta["entries"]
     assert q == ["q", "float32", [2, 4, 3], [24, 3, 1], 8, 0, None, 1] and k[6:] == [[0, 1, 2], 1]
     monkeypatch.setattr(cuda_ipc, "open_cuda_buffer", lambda handle: share.storages[int(handle)])
@@ -115,3 +117,11 @@ def test_row_blocks_are_shared_as_views_of_linear_qkv_and_read_as_blocks_or_hf_t
     flattened = dict(HandleReader().read(meta))  # a loader of HF tensors: q, v as they are, k full-shaped
     assert torch.equal(flattened["q"], hf["q"]) and torch.equal(flattened["v"], hf["v"])
     assert flattened["k"].shape == (8, 3) and torch.equal(flattened["k"][4:], hf["k"])
+
+
+def test_buckets_of_views_only_are_announced_without_waiting_for_the_receivers():
+    flat = torch.arange(64.0)  # every tensor a view of the parameter buffer, as the export with row blocks gives
+    stream = [(f"w{i}", flat[8 * i:8 * i + 8]) for i in range(8)]
+    reused, counts = [], {}
+    buckets = list(share_buckets(iter(stream), 64, reused.append, [[], []], counts, Recorder()))
+    assert len(buckets) == 4 and reused == [] and counts["reuse_waits"] == 0 and counts["handles"] == 1
