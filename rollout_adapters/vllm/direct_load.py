@@ -154,6 +154,32 @@ class DirectLoader:
         self.params = dict(model.named_parameters())
         self.map = destination_map(model)
         self.stats = {"direct_tensors": 0, "direct_bytes": 0, "loader_tensors": 0, "loader_bytes": 0}
+        # (name, source shape) -> the parameter view it is copied into, made on first use: a sync's host time is
+        # per tensor, and the views stay valid while the parameters keep their memory (checked by `begin`)
+        self._views: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self._addresses = self._param_addresses()
+
+    def _param_addresses(self) -> list[int]:
+        return [p.data.data_ptr() for p in self.params.values()]
+
+    def begin(self) -> None:
+        """A new sync: zero the counts; forget the views if a parameter's memory moved (its data was replaced)."""
+        self.stats = dict.fromkeys(self.stats, 0)
+        addresses = self._param_addresses()
+        if addresses != self._addresses:
+            self._views, self._addresses = {}, addresses
+
+    def _view(self, name: str, dest: Destination, src: torch.Tensor, blocks: bool) -> torch.Tensor:
+        key = (name, tuple(src.shape))
+        if (view := self._views.get(key)) is None:
+            view = dest.view(self.params[dest.param].data)
+            if blocks and view.shape[:1] == (src.shape[0] * src.shape[1],):
+                view = view.unflatten(0, src.shape[:2])  # row blocks land in [blocks, rows, *rest] of its rows
+            if view.shape != src.shape:
+                raise ValueError(f"one-copy load: {name} {tuple(src.shape)} does not fit {dest.param}"
+                                 f"{tuple(view.shape)} at {dest}")
+            self._views[key] = view
+        return view
 
     def load(self, named: list[tuple]) -> None:
         rest = []
@@ -167,15 +193,8 @@ class DirectLoader:
                 self.stats["loader_tensors"] += 1
                 self.stats["loader_bytes"] += nbytes
                 continue
-            param = self.params[dest.param].data
-            param_view = dest.view(param)
-            if blocks and param_view.shape[:1] == (src.shape[0] * src.shape[1],):
-                param_view = param_view.unflatten(0, src.shape[:2])
-            if param_view.shape != src.shape:
-                raise ValueError(f"one-copy load: {name} {tuple(src.shape)} does not fit {dest.param}"
-                                 f"{tuple(param_view.shape)} at {dest}")
-            param_view.copy_(src, non_blocking=True)
-            if dest.zero_rest and param.shape[0] > dest.start + src.shape[0]:
+            self._view(name, dest, src, blocks).copy_(src, non_blocking=True)
+            if dest.zero_rest and (param := self.params[dest.param].data).shape[0] > dest.start + src.shape[0]:
                 param[dest.start + src.shape[0]:].zero_()
             self.stats["direct_tensors"] += 1
             self.stats["direct_bytes"] += nbytes

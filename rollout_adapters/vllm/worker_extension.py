@@ -106,7 +106,7 @@ class WeightReceiverExtension:
             self._mrl_direct_why = direct_loadable(model)
             loader = self._mrl_loader = DirectLoader(model) if self._mrl_direct_why is None else None
         if loader is not None:
-            loader.stats = dict.fromkeys(loader.stats, 0)
+            loader.begin()
         return loader
 
     def mrl_load_stats(self) -> dict[str, Any]:

@@ -3,7 +3,8 @@ on CPU before any post-load repacking: copying every HF tensor into its destinat
 parameters the model's `load_weights` gives (Qwen2 with QKV bias, Llama, Qwen3 with q/k norms; TP 1 and TP 2, the
 latter also with one KV head replicated over both ranks), with no tensor left to the model's loaders; the same holds
 when q/k/v arrive as row blocks of a Megatron linear_qkv (the one-copy export's `row_blocks`) and, at TP 2, when the
-dense TP-split tensors arrive as the rank's own slices (weight_sync.tp_slices)."""
+dense TP-split tensors arrive as the rank's own slices (weight_sync.tp_slices); and again in later syncs through the
+same loader (its cached parameter views), also after every parameter's memory was replaced."""
 
 from __future__ import annotations
 
@@ -110,9 +111,17 @@ def _rank_main(rank: int, world: int, cases: list[tuple[str, str]]) -> list[dict
                     items.append((name, t))
             loader.load(items)
             got = dict(model.named_parameters())
-            out.append({"arch": arch, "folder": folder, "mode": mode, "stats": loader.stats, "world": world,
-                        "mapped": len(loader.map), "mismatched": sorted(n for n in want if not torch.equal(got[n],
-                                                                                                    want[n]))})
+            mismatched = sorted(n for n in want if not torch.equal(got[n], want[n]))
+            stats = dict(loader.stats)
+            # later syncs through the same loader: into its cached views, then after every parameter moved
+            for moved in (False, True):
+                for p in model.parameters():
+                    p.data = p.data.clone().fill_(7.0) if moved else p.data.fill_(7.0)
+                loader.begin()
+                loader.load(items)
+                mismatched += [f"{n} (again, moved={moved})" for n in want if not torch.equal(got[n], want[n])]
+            out.append({"arch": arch, "folder": folder, "mode": mode, "stats": stats, "world": world,
+                        "mapped": len(loader.map), "mismatched": mismatched})
     return out
 
 
