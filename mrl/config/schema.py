@@ -29,6 +29,9 @@ class ResourceConfig:
     # rollout is hybrid, training and generation take turns on a slot, so the workers use the node's cores divided
     # by its slots; otherwise 1 (the engines run beside them). Ignored on GPU hosts (1 thread per worker).
     cpu_threads_per_slot: int = 0
+    # Seconds the pool's placement groups may take to be reserved, and then its training workers to start (process
+    # start and imports: a minute or more on a loaded host), before start-up fails naming the pool and its shares.
+    start_timeout_s: float = 300.0
 
 
 @dataclass

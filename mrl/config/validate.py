@@ -496,7 +496,7 @@ def _model_shape(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
 def _fault_limits(cfg: DictConfig, _: bool) -> Iterator[Violation]:
     # A zero or negative limit would fail every call at once rather than bound a hang.
     for path in ("rollout.request_retry_wait_s", "rollout.health_check_timeout_s", "rollout.control_timeout_s",
-                 "rollout.generate_timeout_s", "trainer.dispatch_timeout_s"):
+                 "rollout.generate_timeout_s", "trainer.dispatch_timeout_s", "resources.start_timeout_s"):
         if _get(cfg, path) <= 0:
             yield Violation(path, _get(cfg, path), "must be > 0 seconds (it bounds how long a call may hang)")
     for path in ("rollout.max_request_retries", "rollout.max_replica_restarts", "rollout.health_check_interval_s"):

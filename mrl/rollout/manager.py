@@ -468,6 +468,9 @@ class LLMServerManager:
 
     def shutdown(self) -> None:
         self.stop_monitor()
+        starting, self._starting = self._starting, None
+        for replica in starting[0] if starting is not None else []:  # start-up failed before wait_started
+            replica.shutdown(timeout_s=5)
         self.release_sync_group()
         for rank in list(self.replicas):
             self.remove_replica(rank)

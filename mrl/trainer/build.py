@@ -4,6 +4,7 @@ agent loops and reward (all started concurrently, then waited for). The slime or
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from dataclasses import replace
 from typing import Any
 
@@ -107,55 +108,66 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
              + f"; {c.trainer.total_training_steps} steps")
     hybrid = c.rollout.mode == "hybrid"
     use_gpu = torch.cuda.is_available() if c.trainer.device == "auto" else c.trainer.device == "cuda"
-    pool = RayResourcePool(
-        [c.resources.n_gpus_per_node] * c.resources.nnodes,
-        use_gpu=use_gpu,
-        # A hybrid replica's server and the critic share each slot with the worker that trains there.
-        max_colocate_count=max(c.resources.max_colocate_count, 1 + hybrid + c.critic.enable),
-        name_prefix=f"mrl_{c.trainer.experiment_name}",
-    )
-    spec = rollout_spec(c)
-    policy = c.rollout  # its retry, health-check and time-limit knobs
-    placement = rollout_placement(c)  # checked at start-up by the same function (mrl/config/placement.py)
-    # Everything below starts concurrently and is waited for at the end: the engines first (usually the longest
-    # start: import, weight load, CUDA graphs), then the training workers (process start, Megatron build, weight
-    # load), the agent-loop workers and the sample store (before: one after another; docs/gpu.md, "Start-up").
-    pd = c.rollout.pd
-    pd_spec = PDSpec.from_config(pd) if pd.enabled else None
-    rollout = LLMServerManager.create(spec, c.rollout.mode, pool=pool if hybrid else None,
-                                      num_devices=placement.devices, policy=policy, wait=False, pd=pd_spec,
-                                      pd_base_port=pd.base_port)
-    with_ref = c.actor.use_kl_loss or c.algorithm.use_kl_in_reward
-    actor_rollout = RayWorkerGroup(
-        pool, RayClassWithInitArgs(ActorRolloutRefWorker, c, with_ref=with_ref), name_prefix="actor_rollout",
-        call_timeout_s=c.trainer.dispatch_timeout_s,
-    )
-    engines_ready = [actor_rollout.init_model()]  # non-blocking: Megatron builds while the replicas start
-    critic = None
-    if c.critic.enable:
-        critic = RayWorkerGroup(pool, RayClassWithInitArgs(CriticWorker, c), name_prefix="critic",
-                                call_timeout_s=c.trainer.dispatch_timeout_s)
-        engines_ready.append(critic.init_model())
-    progress(f"started {actor_rollout.world_size} training worker(s) and {placement.replicas} {c.rollout.name} "
-             f"replica(s) of {placement.footprint} device(s); Megatron builds and loads the weights meanwhile")
-    # The clients fetch the server set at their first call, after the replicas are registered below.
-    agent_loops = AgentLoopManager(
-        c.rollout.agent_loop_workers, tokenizer_path, rollout.balancer, c.rollout.agent_loop,
-        c.data.max_response_length, list(c.rollout.tools), c.rollout.max_turns, policy,
-        fully_async=c.trainer.mode != "sync",
-    )
-    reward = RewardEvaluator(None if c.reward.reward_fn == "auto" else c.reward.reward_fn,
-                             max_workers=c.reward.num_workers, timeout_s=c.reward.timeout_s)
-    rollout.wait_started()
-    progress(f"rollout replicas serving ({c.rollout.name})")
-    for ready in engines_ready:
-        ready.get()
-    progress("Megatron engines built, weights loaded" + (" (actor and critic)" if critic is not None else ""))
-    agent_loops.wait_ready()
-    actor_rollout.set_rollout(rollout)
-    for group in (actor_rollout, critic):  # workers fetch and write per-token data by key (mrl/data/samples.py)
-        if group is not None:
-            group.set_store(agent_loops.store)
+    # A failed start-up releases what it started (workers, engines, placement groups): left behind, they would
+    # hold their slots and names, and the next start-up in the same cluster would fail on them.
+    with ExitStack() as undo:
+        pool = RayResourcePool(
+            [c.resources.n_gpus_per_node] * c.resources.nnodes,
+            use_gpu=use_gpu,
+            # A hybrid replica's server and the critic share each slot with the worker that trains there.
+            max_colocate_count=max(c.resources.max_colocate_count, 1 + hybrid + c.critic.enable),
+            name_prefix=f"mrl_{c.trainer.experiment_name}",
+            timeout_s=c.resources.start_timeout_s,
+        )
+        undo.callback(pool.remove)
+        spec = rollout_spec(c)
+        policy = c.rollout  # its retry, health-check and time-limit knobs
+        placement = rollout_placement(c)  # checked at start-up by the same function (mrl/config/placement.py)
+        # Everything below starts concurrently and is waited for at the end: the engines first (usually the longest
+        # start: import, weight load, CUDA graphs), then the training workers (process start, Megatron build, weight
+        # load), the agent-loop workers and the sample store (before: one after another; docs/gpu.md, "Start-up").
+        pd = c.rollout.pd
+        pd_spec = PDSpec.from_config(pd) if pd.enabled else None
+        rollout = LLMServerManager.create(spec, c.rollout.mode, pool=pool if hybrid else None,
+                                          num_devices=placement.devices, policy=policy, wait=False, pd=pd_spec,
+                                          pd_base_port=pd.base_port)
+        undo.callback(rollout.shutdown)
+        with_ref = c.actor.use_kl_loss or c.algorithm.use_kl_in_reward
+        actor_rollout = RayWorkerGroup(
+            pool, RayClassWithInitArgs(ActorRolloutRefWorker, c, with_ref=with_ref), name_prefix="actor_rollout",
+            call_timeout_s=c.trainer.dispatch_timeout_s,
+        )
+        undo.callback(actor_rollout.kill)
+        engines_ready = [actor_rollout.init_model()]  # non-blocking: Megatron builds while the replicas start
+        critic = None
+        if c.critic.enable:
+            critic = RayWorkerGroup(pool, RayClassWithInitArgs(CriticWorker, c), name_prefix="critic",
+                                    call_timeout_s=c.trainer.dispatch_timeout_s)
+            undo.callback(critic.kill)
+            engines_ready.append(critic.init_model())
+        progress(f"started {actor_rollout.world_size} training worker(s) and {placement.replicas} {c.rollout.name} "
+                 f"replica(s) of {placement.footprint} device(s); Megatron builds and loads the weights meanwhile")
+        # The clients fetch the server set at their first call, after the replicas are registered below.
+        agent_loops = AgentLoopManager(
+            c.rollout.agent_loop_workers, tokenizer_path, rollout.balancer, c.rollout.agent_loop,
+            c.data.max_response_length, list(c.rollout.tools), c.rollout.max_turns, policy,
+            fully_async=c.trainer.mode != "sync",
+        )
+        undo.callback(agent_loops.shutdown)
+        reward = RewardEvaluator(None if c.reward.reward_fn == "auto" else c.reward.reward_fn,
+                                 max_workers=c.reward.num_workers, timeout_s=c.reward.timeout_s)
+        undo.callback(reward.close)
+        rollout.wait_started()
+        progress(f"rollout replicas serving ({c.rollout.name})")
+        for ready in engines_ready:
+            ready.get()
+        progress("Megatron engines built, weights loaded" + (" (actor and critic)" if critic is not None else ""))
+        agent_loops.wait_ready()
+        actor_rollout.set_rollout(rollout)
+        for group in (actor_rollout, critic):  # workers fetch and write per-token data by key (mrl/data/samples.py)
+            if group is not None:
+                group.set_store(agent_loops.store)
+        undo.pop_all()  # started: from here `shutdown` owns them
     parts = TrainerParts(
         actor_rollout=actor_rollout,
         rollout=rollout,

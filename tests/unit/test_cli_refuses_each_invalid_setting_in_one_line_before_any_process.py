@@ -85,6 +85,7 @@ TINY = [
     (["rollout.control_timeout_s=0"], "rollout.control_timeout_s", "> 0 seconds"),
     (["rollout.generate_timeout_s=0"], "rollout.generate_timeout_s", "> 0 seconds"),
     (["trainer.dispatch_timeout_s=0"], "trainer.dispatch_timeout_s", "> 0 seconds"),
+    (["resources.start_timeout_s=-1"], "resources.start_timeout_s", "> 0 seconds"),
     (["rollout.max_request_retries=-1"], "rollout.max_request_retries", ">= 0"),
     (["rollout.max_replica_restarts=-1"], "rollout.max_replica_restarts", ">= 0"),
     (["rollout.health_check_interval_s=-1"], "rollout.health_check_interval_s", ">= 0"),
