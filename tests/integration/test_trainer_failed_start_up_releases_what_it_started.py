@@ -30,4 +30,4 @@ def test_failed_start_up_releases_its_workers_replicas_and_slots(ray_cluster, tm
     deadline = time.monotonic() + 60  # killed actors hand their shares back asynchronously
     while free_cpus() < before and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert free_cpus() == before
+    assert free_cpus() >= before  # a previous test's shares may still have been on their way back
