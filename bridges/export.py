@@ -191,7 +191,13 @@ def plan_for(bridge: Bridge, chunks: Sequence[torch.nn.Module], dtype: torch.dty
     return bridge._export_plans[key]
 
 
+# Collectives the export has run in this process (TP/EP gathers, PP broadcasts): an export that ran none can be
+# replayed by this rank alone (ViewRecipe) without its peers falling out of step.
+_collectives = [0]
+
+
 def _gather(tensor: torch.Tensor, group: dist.ProcessGroup, size: int) -> list[torch.Tensor]:
+    _collectives[0] += 1
     parts = [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(parts, tensor.contiguous(), group=group)
     return parts
@@ -252,6 +258,7 @@ def _materialise(
             flat = owned[0] if len(owned) == 1 else torch.cat(owned)  # a lone tensor is sent without a copy
         else:
             flat = torch.empty(sum(numels), dtype=dtype, device=_device())
+        _collectives[0] += 1
         dist.broadcast(flat, src=dist.get_global_rank(group, owner), group=group)
         if owner != stage:
             pieces = iter(p.view(s) for p, s in zip(flat.split(numels), shapes))
@@ -290,14 +297,64 @@ def _hf_tensors(
             yield next(names), tensor if plan.dtype in (None, tensor.dtype) else tensor.to(plan.dtype), *tag
 
 
+@dataclass
+class ViewRecipe:
+    """An export that ran no collective and yielded only views of the parameters' storages (TP 1 or TP slices,
+    one stage, no dtype cast, no LoRA merge: what the one-copy sender shares), kept as geometry: while every
+    parameter keeps its address and shape, the stream is one `as_strided` per tensor, not the walk's per-tensor
+    mapping work (host time per tensor is what bounds a one-copy sync). It holds the Parameter objects, never a
+    storage, so memory the trainer offloads is freed as before."""
+
+    params: list[torch.nn.Parameter]
+    addresses: list[tuple[int, int, torch.Size]]
+    items: list[tuple]  # (index of a parameter of the same storage, name, shape, stride, offset, *tags)
+
+    @staticmethod
+    def signature(params: Sequence[torch.Tensor]) -> list[tuple[int, int, torch.Size]]:
+        """Each parameter's storage, offset in it and shape: the items' offsets are into those storages."""
+        return [(p.untyped_storage().data_ptr(), p.storage_offset(), p.shape) for p in params]
+
+    @classmethod
+    def record(cls, local: LocalIndex, stream: list[tuple]) -> ViewRecipe | None:
+        params = [t.tensor for t, _ in local.values()]
+        by_storage = {p.untyped_storage().data_ptr(): i for i, p in enumerate(params)}
+        items = []
+        for name, tensor, *tags in stream:
+            owner = by_storage.get(tensor.untyped_storage().data_ptr())
+            if owner is None or tensor.dtype != params[owner].dtype:
+                return None  # a fresh tensor (a merge, a cast, a copy): the walk must run again
+            items.append((owner, name, tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), *tags))
+        return cls(params, cls.signature(params), items)
+
+    def valid(self) -> bool:
+        """False once a parameter moved (offload, a rebuilt buffer): then the walk runs again."""
+        return self.signature(self.params) == self.addresses
+
+    def replay(self) -> Iterator[tuple]:
+        params = [p.detach() for p in self.params]  # detached aliases for this stream only, not kept
+        for owner, name, shape, stride, offset, *tags in self.items:
+            yield (name, params[owner].as_strided(shape, stride, offset), *tags)
+
+
 def export_stream(
     bridge: Bridge, chunks: Sequence[torch.nn.Module], *, dtype: torch.dtype | None = None, tp_slices: bool = False,
     row_blocks: bool = False,
 ) -> Iterator[tuple]:
     """(hf_name, tensor) per HF tensor; with `tp_slices`, (hf_name, slice, TpSlice) for the sliceable ones; with
-    `row_blocks`, fused QKV's q/k/v as (hf_name, blocks, [TpSlice,] ROW_BLOCKS)."""
+    `row_blocks`, fused QKV's q/k/v as (hf_name, blocks, [TpSlice,] ROW_BLOCKS). An export that needs no
+    collective and yields only parameter views is replayed from its ViewRecipe."""
+    key = ("views", tuple(id(c) for c in chunks), dtype, tp_slices, row_blocks)
+    recipe = bridge._export_plans.get(key)  # False: this export yields fresh tensors (merges, casts)
+    if recipe and recipe.valid():
+        yield from recipe.replay()
+        return
+    ran, stream = _collectives[0], []
     for bucket in _walk(bridge, chunks, None, dtype, tp_slices, row_blocks):
+        if recipe is not False:
+            stream.extend(bucket)
         yield from bucket
+    if recipe is not False and _collectives[0] == ran:
+        bridge._export_plans[key] = ViewRecipe.record(_local_index(bridge, chunks), stream) or False
 
 
 def export_buckets(
@@ -321,6 +378,15 @@ def bucket_bounds(plan: Plan, bucket_bytes: int | None) -> list[tuple[int, int]]
     return bounds
 
 
+def _local_index(bridge: Bridge, chunks: Sequence[torch.nn.Module]) -> LocalIndex:
+    # Parameter objects outlive steps (optimizers and offloading change their data, not their identity), so
+    # the name index is built once per model like the plan; rebuilding it cost as much as the stream itself.
+    key = ("local", tuple(id(c) for c in chunks))
+    if key not in bridge._export_plans:
+        bridge._export_plans[key] = {t.name: (t, bridge.shard_of(t)) for t in bridge.local_tensors(chunks)}
+    return bridge._export_plans[key]
+
+
 def _walk(
     bridge: Bridge, chunks: Sequence[torch.nn.Module], bucket_bytes: int | None, dtype: torch.dtype | None,
     tp_slices: bool = False, row_blocks: bool = False,
@@ -329,12 +395,7 @@ def _walk(
     key = ("bounds", id(plan), bucket_bytes)
     if key not in bridge._export_plans:
         bridge._export_plans[key] = bucket_bounds(plan, bucket_bytes)
-    # Parameter objects outlive steps (optimizers and offloading change their data, not their identity), so
-    # the name index is built once per model like the plan; rebuilding it cost as much as the stream itself.
-    local_key = ("local", tuple(id(c) for c in chunks))
-    if local_key not in bridge._export_plans:
-        bridge._export_plans[local_key] = {t.name: (t, bridge.shard_of(t)) for t in bridge.local_tensors(chunks)}
-    local = bridge._export_plans[local_key]
+    local = _local_index(bridge, chunks)
     with torch.no_grad():
         for start, stop in bridge._export_plans[key]:
             units = plan.units[start:stop]

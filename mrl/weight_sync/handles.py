@@ -36,6 +36,10 @@ from mrl.weight_sync.buckets import in_full_shape
 STAGE_BELOW = 64 << 20
 # The most bytes one ring slot stages (a bucket whose small fresh tensors would exceed it ends early).
 STAGE_SLOT_BYTES = 256 << 20
+# The first bucket's limit; each next one's doubles up to bucket_bytes. The receiver starts mapping and copying
+# once the first bucket is announced, so a small first bucket starts the device copies early, while the sender
+# still walks the stream (0: every bucket bucket_bytes).
+FIRST_BUCKET_BYTES = 128 << 20
 
 
 def _align(n: int, to: int = 256) -> int:
@@ -58,7 +62,7 @@ def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
 def share_buckets(
     named_tensors: Iterable[tuple], bucket_bytes: int, before_reuse: Callable[[int], None], held: list[list],
     counts: dict[str, int] | None = None, share: Callable[[torch.Tensor], bytes] | None = None,
-    stage_below: int | None = None, ring: list[torch.Tensor] | None = None,
+    stage_below: int | None = None, ring: list[torch.Tensor] | None = None, first_bucket: int | None = None,
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """Group the stream into buckets of ≤ `bucket_bytes`; yield (bucket index, meta: entries, new storages).
     `held[k % len(held)]` keeps bucket k's transient tensors alive; before bucket k reuses a slot that bucket
@@ -79,7 +83,8 @@ def share_buckets(
       tensors are not held;
     - a larger one is mapped for its bucket only (`transient`) and shared again should a later bucket need it.
     `ring` (default: a list of this call's own) lets the caller keep the staging buffers to the end of the sync.
-    `share` (default: CUDA IPC, which needs every tensor on the device) makes a storage's handle."""
+    `share` (default: CUDA IPC, which needs every tensor on the device) makes a storage's handle. Bucket k holds
+    at most min(bucket_bytes, first_bucket << k) (`first_bucket` default FIRST_BUCKET_BYTES; 0: no ramp)."""
     from rollout_adapters.cuda_ipc import share_cuda_buffer
 
     cuda = share is None
@@ -93,6 +98,8 @@ def share_buckets(
     kept: dict[int, int] = {}  # storage address -> index, for the whole sync
     ring_index: dict[int, int] = {}  # ring slot -> its storage index in this sync
     k, used, staged, entries, storages, transient, seen = 0, 0, 0, [], {}, {}, set()
+    first_bucket = FIRST_BUCKET_BYTES if first_bucket is None else first_bucket
+    limit = min(bucket_bytes, first_bucket) if first_bucket else bucket_bytes
 
     def add_storage(t: torch.Tensor, keep: bool) -> int:
         index = counts["handles"] + len(storages)
@@ -109,45 +116,51 @@ def share_buckets(
         if slot not in ring_index:
             ring_index[slot] = add_storage(ring[slot], keep=True)
         n = t.numel() * t.element_size()
-        ring[slot][staged:staged + n].view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
+        with torch.no_grad():  # a caller's tensor may require grad; the ring must stay a plain leaf to be shared
+            ring[slot][staged:staged + n].view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
         slot_staged[slot] = True
         entry[3:6] = [_contiguous_strides(t.shape), staged // t.element_size(), ring_index[slot]]
         staged = _align(staged + n)
         counts["staged_bytes"] += n
 
     def flush() -> Iterator[tuple[int, dict[str, Any]]]:
-        nonlocal k, used, staged, entries, storages, transient
+        nonlocal k, used, staged, entries, storages, transient, limit
         yield k, {"entries": entries, "storages": storages, "transient": sorted(transient.values())}
         counts["buckets"] += 1
         counts["handles"] += len(storages)
         k, used, staged, entries, storages, transient = k + 1, 0, 0, [], {}, {}
+        limit = min(bucket_bytes, 2 * limit)
         slot = k % len(held)
         if k >= len(held) and (held[slot] or slot_staged[slot]):
             before_reuse(k)
             counts["reuse_waits"] += 1
         held[slot], slot_staged[slot] = [], False  # the receivers are done with the bucket this slot carried
 
-    for name, tensor, *tags in named_tensors:
+    dtype_names: dict[torch.dtype, str] = {}
+    # Per tensor, only what the entry needs: on a slow host the sender's Python per tensor bounds a sync
+    for name, t, *tags in named_tensors:
         if name in seen:
             raise ValueError(f"weight stream repeats tensor {name!r}")
         seen.add(name)
-        t = tensor.detach()
-        if cuda and t.device.type != "cuda":
+        if cuda and not t.is_cuda:
             raise ValueError(f"weight_sync.one_copy: tensor {name!r} is on {t.device}, not on the CUDA device")
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.nbytes
         storage = t.untyped_storage()
         key = storage.data_ptr()
         own = storage.nbytes() <= nbytes  # the tensor fills its storage
         stageable = own and nbytes < stage_below and nbytes <= slot_bytes and key not in transient
-        if entries and (used + nbytes > bucket_bytes or (stageable and staged + nbytes > slot_bytes)):
+        if entries and (used + nbytes > limit or (stageable and staged + nbytes > slot_bytes)):
             yield from flush()
         index = kept.get(key, transient.get(key))
-        tp_slice, blocks = stream_tags(tags)
-        tail: list = [[tp_slice.dim, tp_slice.rank, tp_slice.size]] if tp_slice else []
-        if blocks:
-            tail = [tail[0] if tail else None, 1]
-        entry = [name, str(t.dtype).removeprefix("torch."), list(t.shape), list(t.stride()), t.storage_offset(),
-                 index, *tail]
+        tail: list = []
+        if tags:
+            tp_slice, blocks = stream_tags(tags)
+            tail = [[tp_slice.dim, tp_slice.rank, tp_slice.size]] if tp_slice else []
+            if blocks:
+                tail = [tail[0] if tail else None, 1]
+        if (dtype := dtype_names.get(t.dtype)) is None:
+            dtype = dtype_names[t.dtype] = str(t.dtype).removeprefix("torch.")
+        entry = [name, dtype, list(t.shape), list(t.stride()), t.storage_offset(), index, *tail]
         if index is None and stageable:
             stage(entry, t)
         else:
@@ -181,6 +194,52 @@ def parts(tags: Iterable[Any]) -> tuple[list | None, bool]:
     return next((t for t in tags if isinstance(t, list)), None), ROW_BLOCKS in tags
 
 
+# `copy_all` batches contiguous pairs under this many bytes (norms, biases) into multi-tensor kernels: their copies
+# cost the host a launch each and the device next to nothing. Larger ones keep their own copy_ (a memcpy): torch's
+# multi-tensor copy kernel moved 7B-sized weights about 1.3x slower than memcpy on an H200.
+BATCH_BELOW = 1 << 20
+
+
+def _contiguous_after(first: torch.Tensor, then: torch.Tensor) -> bool:
+    """Whether `then` continues `first` in memory: same storage and dtype, both contiguous, no gap."""
+    return (then.dtype == first.dtype and then.data_ptr() == first.data_ptr() + first.nbytes
+            and first.is_contiguous() and then.is_contiguous()
+            and then.untyped_storage().data_ptr() == first.untyped_storage().data_ptr())
+
+
+def _joined(first: torch.Tensor, numel: int) -> torch.Tensor:
+    return first.as_strided((numel,), (1,), first.storage_offset())
+
+
+def copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each (destination, source) pair on the current stream, asynchronously, in as few launches as the layout
+    allows: on a slow host the receiver's Python and launch per copy, not the device, bound a one-copy sync.
+    Consecutive pairs whose destinations and sources both continue each other in memory (gate and up into a fused
+    gate_up from Megatron's fused fc1) become one copy; contiguous pairs under BATCH_BELOW bytes go in one
+    `torch._foreach_copy_` per dtype; the rest (row blocks, dtype casts, large tensors) one `copy_` each."""
+    runs: list[list] = []  # per copy after joining: [first dst, first src, numel, last dst, last src, joined]
+    for dst, src in pairs:
+        if runs and _contiguous_after(runs[-1][3], dst) and _contiguous_after(runs[-1][4], src):
+            run = runs[-1]
+            run[2] += dst.numel()
+            run[3], run[4], run[5] = dst, src, True  # the last parts, to test the next pair against
+        else:
+            runs.append([dst, src, dst.numel(), dst, src, False])
+    batched: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for dst, src, numel, _, _, joined in runs:
+        if joined:
+            dst, src = _joined(dst, numel), _joined(src, numel)
+        if (dst.dtype == src.dtype and numel * src.element_size() < BATCH_BELOW and dst.is_contiguous()
+                and src.is_contiguous()):
+            dsts, srcs = batched.setdefault(dst.dtype, ([], []))
+            dsts.append(dst)
+            srcs.append(src)
+        else:
+            dst.copy_(src, non_blocking=True)
+    for dsts, srcs in batched.values():
+        torch._foreach_copy_(dsts, srcs, non_blocking=True)
+
+
 def whole(tensor: torch.Tensor, tp_slice: list | None, blocks: bool) -> torch.Tensor:
     """The HF tensor (full-shaped, its slice in place, for a TP slice) of a kept tensor."""
     tensor = tensor.flatten(0, 1) if blocks else tensor
@@ -206,14 +265,18 @@ class HandleReader:
         # per bucket is what the receiver adds to the copies)
         self._typed: dict[tuple[int, str], torch.Tensor] = {}
         self._transient: list[int] = []
-        # wait_s: host seconds waiting for the sender to announce a bucket (the sender is behind)
-        self.stats = {"mapped": 0, "map_s": 0.0, "unmap_s": 0.0, "wait_s": 0.0}
+        # wait_s: host seconds waiting for the sender to announce a bucket (the sender is behind); read_at and
+        # release_at / released_at: perf_counter when each bucket was read and the mappings dropped (a timeline,
+        # comparable with the sender's `announced_at` on the same host)
+        self.stats = {"mapped": 0, "map_s": 0.0, "unmap_s": 0.0, "wait_s": 0.0, "read_at": [], "release_at": 0.0,
+                      "released_at": 0.0}
         HandleReader.last = self.stats
 
     def read(self, meta: dict[str, Any]) -> list[tuple]:
         from rollout_adapters.cuda_ipc import open_cuda_buffer
 
         start = time.perf_counter()
+        self.stats["read_at"].append(start)
         self._open.update({int(i): open_cuda_buffer(base64.b64decode(h)) for i, h in meta["storages"].items()})
         self.stats["mapped"] += len(meta["storages"])
         self.stats["map_s"] += time.perf_counter() - start
@@ -245,5 +308,6 @@ class HandleReader:
         """The sync is over: drop every mapping."""
         start = time.perf_counter()
         self._open, self._typed, self._transient = {}, {}, []
-        self.stats["unmap_s"] += time.perf_counter() - start
+        self.stats.update(release_at=start, released_at=time.perf_counter())
+        self.stats["unmap_s"] += self.stats["released_at"] - start
 

@@ -81,6 +81,9 @@ class IpcSender(WeightSender):
         receivers = range(1, self.world_size)
 
         waited = [0.0]  # host seconds waiting for acknowledgements (the receivers are behind)
+        # one_copy: when the send began and each bucket was announced (perf_counter, comparable with the
+        # receivers' HandleReader.stats on the same host): where a sync's time goes, for benchmarks
+        started, announced = time.perf_counter(), []
 
         def before_reuse(k: int) -> None:
             old, start = k - NUM_BUFFERS, time.perf_counter()
@@ -103,6 +106,7 @@ class IpcSender(WeightSender):
             else:
                 sync_device()  # e.g. device tensors copied into host shared memory
             c.set({"slot": slot, **meta}, "meta", k)
+            announced.append(time.perf_counter())
             count += len(meta["entries"]) if self.one_copy else completed(meta["entries"])
             k += 1
         c.set({"end": True}, "meta", k)
@@ -111,7 +115,7 @@ class IpcSender(WeightSender):
             for event in self.loaded[old % NUM_BUFFERS] if self.one_copy else ():
                 torch.cuda.current_stream(self.device).wait_event(event)  # before the bucket's tensors are freed
         if self.one_copy:
-            self.shared["ack_wait_s"] = waited[0]
+            self.shared.update(ack_wait_s=waited[0], send_start=started, announced_at=announced)
         return count
 
     def _finalize(self) -> None:

