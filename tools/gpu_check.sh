@@ -31,7 +31,7 @@ declare -A CMD=(
   [corr]="python3 tools/bench/variants_gpu.py --preset correction --enforce-eager --json $DIR/corr.json"
   [lora]="python3 tools/bench/variants_gpu.py --preset lora --enforce-eager --json $DIR/lora.json"
   [moe]="python3 -m pytest $T/test_moe_r3_with_vllm_routes_like_the_engine.py -q -s --timeout=480"
-  [onecopy]="python3 -m pytest $T/test_weight_sync_one_copy_lands_bit_for_bit_in_vllm.py $T/test_hybrid_one_copy_sync_lands_bit_for_bit.py -q -s --timeout=300; python3 tools/bench/weight_sync.py --one-copy --buckets-mb 512,2048 --repeats 2 --out $DIR/ws_one_copy.json"
+  [onecopy]="python3 -m pytest $T/test_weight_sync_one_copy_lands_bit_for_bit_in_vllm.py $T/test_hybrid_one_copy_sync_lands_bit_for_bit.py -q -s --timeout=300; python3 tools/bench/weight_sync.py --one-copy --buckets-mb 2048,4096 --variants one,two --repeats 3 --vllm-bucket-mb 4096 --out $DIR/ws_one_copy.json"
   [engine]="python3 -m pytest $T/test_bridge_export_matches_hf_on_cuda.py $T/test_engine_sdpa_attention_loss_matches_local_spec_on_cuda.py $T/test_engine_tp1_on_gpu_matches_hf.py $T/test_weight_sync_cuda_ipc_delivers_bit_identical_stream.py -q --timeout=300"
 )
 declare -A LIMIT=([sleep]=300 [learn]=600 [bench05]=480 [peak]=600 [async]=400 [bench15]=600 [engine]=300 [genlayers]=600 [corr]=600 [lora]=600 [moe]=480 [onecopy]=600)

@@ -25,6 +25,13 @@ per-parameter sums read back from the engine. The Megatron parameters are first 
 one flat buffer per dtype, as Megatron's DDP holds them with the distributed optimizer (the default), so the sync
 shares a few storages, not one per tensor (--no-flat-params: one per tensor).
 
+With --one-copy it also prints, per one-copy row, the best sync's timeline on the host's monotonic clock (the
+sender's bucket announcements, the receiver's reads and its release of the mappings, the receiver's device span
+from first to last copy), and the floor of the layout: the same copies in the sender's own process, no IPC, per
+copy mode (handles.copy_all's default; every contiguous tensor batched; one copy_ each). --first-bucket-mb and
+--copies sweep handles.FIRST_BUCKET_BYTES and the receiver's handles.BATCH_BELOW; --by-kind times each tensor's copy
+with events and sums them per kind (where the host is behind the device, an interval is the host's launch time).
+
 Usage: python tools/bench/weight_sync.py [--tiny] [--buckets-mb 64,256,1024] [--one-copy] [--out result.json]
 """
 
