@@ -24,8 +24,8 @@ instead of the copies that make them contiguous HF tensors: the receiver copies 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -308,6 +308,7 @@ class ViewRecipe:
     params: list[torch.nn.Parameter]
     addresses: list[tuple[int, int, torch.Size]]
     items: list[tuple]  # (index of a parameter of the same storage, name, shape, stride, offset, *tags)
+    _owners: dict[int, int] = field(default_factory=dict, repr=False)  # storage address -> a parameter's index
 
     @staticmethod
     def signature(params: Sequence[torch.Tensor]) -> list[tuple[int, int, torch.Size]]:
@@ -315,16 +316,27 @@ class ViewRecipe:
         return [(p.untyped_storage().data_ptr(), p.storage_offset(), p.shape) for p in params]
 
     @classmethod
-    def record(cls, local: LocalIndex, stream: list[tuple]) -> ViewRecipe | None:
+    def start(cls, local: LocalIndex) -> ViewRecipe:
         params = [t.tensor for t, _ in local.values()]
-        by_storage = {p.untyped_storage().data_ptr(): i for i, p in enumerate(params)}
-        items = []
+        recipe = cls(params, cls.signature(params), [])
+        recipe._owners = {p.untyped_storage().data_ptr(): i for i, p in enumerate(params)}
+        return recipe
+
+    def add(self, stream: Iterable[tuple]) -> bool:
+        """Keep the geometry of each tensor of `stream`; False at the first that is not a view of a parameter's
+        storage in its dtype (a merge, a cast, a copy: the walk must run every time). Keeps no tensor, so a walk
+        being recorded frees its buckets as before."""
         for name, tensor, *tags in stream:
-            owner = by_storage.get(tensor.untyped_storage().data_ptr())
-            if owner is None or tensor.dtype != params[owner].dtype:
-                return None  # a fresh tensor (a merge, a cast, a copy): the walk must run again
-            items.append((owner, name, tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), *tags))
-        return cls(params, cls.signature(params), items)
+            owner = self._owners.get(tensor.untyped_storage().data_ptr())
+            if owner is None or tensor.dtype != self.params[owner].dtype:
+                return False
+            self.items.append((owner, name, tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), *tags))
+        return True
+
+    @classmethod
+    def record(cls, local: LocalIndex, stream: Iterable[tuple]) -> ViewRecipe | None:
+        recipe = cls.start(local)
+        return recipe if recipe.add(stream) else None
 
     def valid(self) -> bool:
         """False once a parameter moved (offload, a rebuilt buffer): then the walk runs again."""
@@ -344,17 +356,18 @@ def export_stream(
     `row_blocks`, fused QKV's q/k/v as (hf_name, blocks, [TpSlice,] ROW_BLOCKS). An export that needs no
     collective and yields only parameter views is replayed from its ViewRecipe."""
     key = ("views", tuple(id(c) for c in chunks), dtype, tp_slices, row_blocks)
-    recipe = bridge._export_plans.get(key)  # False: this export yields fresh tensors (merges, casts)
+    recipe = bridge._export_plans.get(key)  # False: this export runs collectives or yields fresh tensors
     if recipe and recipe.valid():
         yield from recipe.replay()
         return
-    ran, stream = _collectives[0], []
+    ran = _collectives[0]
+    recording = recipe is not False and ViewRecipe.start(_local_index(bridge, chunks))
     for bucket in _walk(bridge, chunks, None, dtype, tp_slices, row_blocks):
-        if recipe is not False:
-            stream.extend(bucket)
+        if recording and (_collectives[0] != ran or not recording.add(bucket)):
+            recording = bridge._export_plans[key] = False  # a layout's collectives and merges do not go away
         yield from bucket
-    if recipe is not False and _collectives[0] == ran:
-        bridge._export_plans[key] = ViewRecipe.record(_local_index(bridge, chunks), stream) or False
+    if recording:
+        bridge._export_plans[key] = recording
 
 
 def export_buckets(

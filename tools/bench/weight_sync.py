@@ -51,6 +51,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from mrl.weight_sync.handles import BATCH_BELOW
+
 QWEN2_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                 num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
 # A stalled stage fails with the transport's error (stage, ranks) instead of eating the device lease.
@@ -60,7 +62,7 @@ TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_atte
 
 
 # --copies: the receivers' handles.BATCH_BELOW (copies of fewer bytes go in multi-tensor batches)
-COPY_MODES = {"default": 1 << 20, "all_batched": 1 << 62, "per_tensor": 0}
+COPY_MODES = {"default": BATCH_BELOW, "all_batched": 1 << 62, "per_tensor": 0}
 # (one_copy, row_blocks) of the ipc rows: two copies; one copy; one copy with q/k/v exported as contiguous copies
 VARIANTS = ((False, False), (True, True), (True, False))
 
