@@ -38,7 +38,7 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
     "top_p": 1.0,
     "top_k": -1,  # -1 (or 0) disables top-k
     "max_tokens": 256,
-    "logprobs": True,  # return the log-prob of each sampled token (raw model distribution, before temperature)
+    "logprobs": True,  # return each sampled token's log-prob under the distribution it was drawn from (tempered)
     "seed": None,
     "stop_token_ids": (),  # extra stop tokens; EOS stops too unless ignore_eos
     "ignore_eos": False,

@@ -119,6 +119,7 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
             seed=c.trainer.seed,
             bridge_backend=c.model.bridge_backend,
             lora=c.actor.lora if trainable else None,
+            temperature=c.rollout.temperature,  # old, new and reference log-probs: the sampled distribution's
         )
         engine.initialize()
         return engine

@@ -22,16 +22,16 @@ from rollout_adapters.buckets import unpack_bucket
 
 
 def sample_token(logits: torch.Tensor, params: dict[str, Any], generator: torch.Generator) -> tuple[int, float]:
-    """Pick the next token from fp32 `logits` [V]; return it with its raw log-prob log_softmax(logits)[token].
+    """Pick the next token from fp32 `logits` [V]; return it with its log-prob log_softmax(logits / T)[token].
 
     Temperature 0 is greedy. Otherwise logits / T, keep the top_k largest (top_k > 0), keep the smallest set whose
     probability mass reaches top_p (the most likely token always stays), sample. The returned log-prob is of the
-    unmodified distribution, as vLLM reports by default, so both backends agree with a trainer's forward pass.
+    distribution the token was drawn from (tempered, then renormalised over what top-k / top-p keep; greedy: T = 1),
+    as vLLM reports it in processed_logprobs mode: without top-k / top-p, what the trainer's forward pass scores.
     """
-    raw = torch.log_softmax(logits, dim=-1)
     if params["temperature"] == 0:
         token = int(torch.argmax(logits))
-        return token, float(raw[token])
+        return token, float(torch.log_softmax(logits, dim=-1)[token])
     scaled = logits / params["temperature"]
     if params["top_k"] > 0 and params["top_k"] < scaled.numel():
         kth = torch.topk(scaled, params["top_k"]).values[-1]
@@ -41,8 +41,9 @@ def sample_token(logits: torch.Tensor, params: dict[str, Any], generator: torch.
         mass_before = torch.cumsum(probs_sorted, dim=-1) - probs_sorted
         drop = order[mass_before >= params["top_p"]]
         scaled[drop] = float("-inf")
-    token = int(torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator))
-    return token, float(raw[token])
+    logp = torch.log_softmax(scaled, dim=-1)
+    token = int(torch.multinomial(logp.exp(), 1, generator=generator))
+    return token, float(logp[token])
 
 
 # Replica-spec settings a one-request-at-a-time transformers loop has no counterpart for: no memory pool, prefix

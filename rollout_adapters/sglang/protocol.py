@@ -21,9 +21,9 @@ from rollout_adapters.base import StopReason
 
 SGLANG_SOURCE = "sglang main @ 001067ff (0.5.x): srt/managers/io_struct.py, srt/entrypoints/http_server.py"
 
-# SGLang reports the sampled token's log-prob after temperature scaling unless this is set; the trainer recomputes
-# the raw distribution, so every server we start sets it (srt/layers/sampler.py reads it at import).
-SERVER_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+# SGLang reports the sampled token's log-prob under softmax(z / T) (before top-k / top-p), the distribution the
+# trainer scores; SGLANG_RETURN_ORIGINAL_LOGPROB=1 would switch it to the raw logits, so no server we start sets it.
+SERVER_ENV: dict[str, str] = {}
 
 # Memory tags of /release_memory_occupation and /resume_memory_occupation ("Currently we only support `weights` and
 # `kv_cache`", io_struct.ReleaseMemoryOccupationReqInput); ours have the same names.

@@ -30,8 +30,8 @@ def engine_lora_rank(rank: int) -> int:
 def to_vllm_sampling(params: dict[str, Any], budget: int):
     """Translate the unified dict (already normalised) into vllm.SamplingParams for one sample of `budget` tokens.
 
-    logprobs=0 asks vLLM for the sampled token's log-prob only; vLLM computes it from the raw logits (before
-    temperature/top-k/top-p), which is what the trainer's forward pass recomputes.
+    logprobs=0 asks vLLM for the sampled token's log-prob only; the engine runs in processed_logprobs mode, so it is
+    log softmax(z / T) of the sampled token, which is what the trainer's forward pass recomputes.
     """
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -123,6 +123,10 @@ class VLLMAdapter(RolloutAdapter):
             enable_prefix_caching=enable_prefix_caching,
             enable_sleep_mode=self.sleep_mode,
             worker_extension_cls=WORKER_EXTENSION,
+            # The sampled token's log-prob under the distribution it was drawn from: softmax(z / T), what the trainer
+            # scores (vLLM's default, raw_logprobs, ignores the temperature), renormalised over the tokens top-k /
+            # top-p keep, which the trainer does not model (as in verl: logprob_mismatch then shows the difference).
+            logprobs_mode="processed_logprobs",
             **({"enable_return_routed_experts": True} if self.moe_layers else {}),
             **{k: v for k, v in settings.items() if v is not None},
             **engine_kwargs,

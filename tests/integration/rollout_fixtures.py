@@ -81,16 +81,24 @@ def manager(request, rollout_managers, tiny_model_dir) -> LLMServerManager:
     return rollout_managers[backend]
 
 
-def hf_token_logprobs(model: torch.nn.Module, prompt_ids: list[int], token_ids: list[int]) -> torch.Tensor:
-    """log p(token_t | prefix) from one full forward pass: the logits at position t-1 score token t."""
+def hf_token_logprobs(
+    model: torch.nn.Module, prompt_ids: list[int], token_ids: list[int], temperature: float = 1.0, top_k: int = 0
+) -> torch.Tensor:
+    """log p(token_t | prefix) under softmax(z / T) (renormalised over the top_k largest when top_k > 0) from one
+    full forward pass: the logits at position t-1 score token t."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt_ids + token_ids])).logits[0].float()
-    logp = torch.log_softmax(logits[len(prompt_ids) - 1 : -1], dim=-1)
+    scaled = logits[len(prompt_ids) - 1 : -1] / temperature
+    if top_k:
+        scaled = scaled.masked_fill(scaled < torch.topk(scaled, top_k, dim=-1).values[:, -1:], float("-inf"))
+    logp = torch.log_softmax(scaled, dim=-1)
     return logp.gather(-1, torch.tensor(token_ids)[:, None])[:, 0]
 
 
-def max_logprob_error(model: torch.nn.Module, prompt_ids: list[int], out) -> float:
-    ref = hf_token_logprobs(model, prompt_ids, out.token_ids)
+def max_logprob_error(
+    model: torch.nn.Module, prompt_ids: list[int], out, temperature: float = 1.0, top_k: int = 0
+) -> float:
+    ref = hf_token_logprobs(model, prompt_ids, out.token_ids, temperature, top_k)
     return float((ref - torch.tensor(out.log_probs)).abs().max())
 
 

@@ -9,13 +9,13 @@ global grad norm (rel 1e-5), the weights after training exported under HF names 
 of `infer` after training (1e-5).
 
 Also here, because they share the launches: `infer` equals log_softmax of the HF model's logits at the next
-tokens; packing several samples into one micro-batch gives the same gradients and log-probs as one sample
-per micro-batch, at TP=1 and TP=2; and TP=2 with `compile_fusions` (compiled SwiGLU, residual add, RMSNorm and
-log-prob kernels, on CPU too) matches the eager single-process run. MoE layouts include expert-TP apart from TP
-(TP=2×EP=2 with ETP=1, trained) and the auxiliary losses on (TP=2 with SP); a model with one key-value head trains at
-TP=2 (fewer KV heads than TP). And router replay (R3) under TP=2×EP=2 with
-ETP=1: every rank routes every token to the rollout engine's experts, with the single-process log-probs and
-update loss (routing_fixtures.py).
+tokens, and under a sampling temperature T the log-probs and entropy of softmax(logits / T) (`tempered`);
+packing several samples into one micro-batch gives the same gradients and log-probs as one sample per micro-batch,
+at TP=1 and TP=2; and TP=2 with `compile_fusions` (compiled SwiGLU, residual add, RMSNorm and log-prob kernels,
+on CPU too) matches the eager single-process run. MoE layouts include expert-TP apart from TP (TP=2×EP=2 with
+ETP=1, trained) and the auxiliary losses on (TP=2 with SP); a model with one key-value head trains at TP=2 (fewer
+KV heads than TP). And router replay (R3) under TP=2×EP=2 with ETP=1: every rank routes every token to the
+rollout engine's experts, with the single-process log-probs and update loss (routing_fixtures.py).
 
 LoRA (`lora*` cases, actor.lora on every dense target): TP=2 (with and without sequence parallelism) and PP=2
 match the single-process LoRA run in the same terms (losses, the adapters' grad norm, log-probs, the merged
@@ -41,6 +41,7 @@ MOE_OVERRIDES = {"moe_aux_loss_coeff": 0.0, "moe_router_load_balancing_type": "n
 # The auxiliary load-balancing and router z losses on: they reach the gradients (not the reported loss).
 MOE_AUX = {"moe_aux_loss_coeff": 0.1, "moe_z_loss_coeff": 0.01, "moe_router_load_balancing_type": "aux_loss"}
 LORA = {"enable": True, "rank": 4, "alpha": 8.0}
+TEMPERATURE = 0.7
 
 
 def samples(n: int = 8, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -135,6 +136,18 @@ def grads_of_packing(path: str, layout: dict) -> dict:
     return out
 
 
+def tempered_infer(path: str) -> dict:
+    """Log-probs and entropy of the untrained model from an engine that samples at temperature TEMPERATURE."""
+    from mrl.config.schema import MegatronConfig
+    from mrl.engine.megatron.engine import MegatronEngine
+    from mrl.engine.megatron.packing import JaggedBatch
+
+    engine = MegatronEngine(path, MegatronConfig(), None, micro_batch_size=3, temperature=TEMPERATURE)
+    engine.initialize()
+    out = engine.infer(JaggedBatch.from_sequences(samples()), entropy=True)
+    return {k: v.numpy() for k, v in out.items()}
+
+
 def run_many(rank: int, world: int, cases: list[tuple[str, str, dict, dict, dict]]) -> dict:
     from mrl.engine.megatron.parallel import teardown
 
@@ -143,6 +156,8 @@ def run_many(rank: int, world: int, cases: list[tuple[str, str, dict, dict, dict
         for name, path, layout, micro, overrides in cases:
             if name.startswith("packing"):
                 results[name] = grads_of_packing(path, layout)
+            elif name.startswith("tempered"):
+                results[name] = tempered_infer(path)
             elif name.startswith("replay"):  # replay cases carry the rollouts in the micro-batch slot
                 results[name] = replay_passes(rank, world, path, micro, layout)
             else:
@@ -185,6 +200,7 @@ def reference(models):
         ("replay", models["near_tie"], {}, models["rollouts"], {}),
         ("dense_kv1", models["kv1"], {}, {"micro_batch_size": 3}, {}),
         ("lora", models["dense"], {}, {"micro_batch_size": 3}, {}),
+        ("tempered", models["dense"], {}, {}, {}),
     ]
     return launch(run_many, 1, cases, timeout_s=600)[0]
 
@@ -252,6 +268,25 @@ def test_reference_trains_and_infer_equals_hf_log_softmax(reference):
         ref.append(token)
     got = torch.from_numpy(reference["dense"]["log_probs"])
     torch.testing.assert_close(got, torch.cat(ref), atol=1e-5, rtol=1e-5)
+
+
+def test_log_probs_and_entropy_follow_the_sampling_temperature(models, reference):
+    """The trainer scores the distribution the rollout samples from: softmax(z / T), its entropy included."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(models["dense"], torch_dtype=torch.float32)
+    logp_ref, ent_ref = [], []
+    for s in samples():
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(s["input_ids"][None]).logits[0].float() / TEMPERATURE, -1)
+        token, ent = torch.zeros(len(s["input_ids"])), torch.zeros(len(s["input_ids"]))
+        token[1:] = logp[:-1].gather(-1, s["input_ids"][1:, None]).squeeze(-1)
+        ent[1:] = -(logp[:-1].exp() * logp[:-1]).sum(-1)
+        logp_ref.append(token)
+        ent_ref.append(ent)
+    got = reference["tempered"]
+    torch.testing.assert_close(torch.from_numpy(got["log_probs"]), torch.cat(logp_ref), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.from_numpy(got["entropy"]), torch.cat(ent_ref), atol=1e-5, rtol=1e-5)
 
 
 def test_lora_starts_at_the_base_and_keeps_it_frozen(reference):

@@ -1,6 +1,7 @@
 """Generation through mrl's client on each backend (hf, vLLM-CPU): n samples, greedy, temperature with top-k /
 top-p, stop tokens and the context budget behave as specified, and every sampled token's log-prob equals an HF
-forward pass of the same fp32 weights within 1e-4."""
+forward pass of the same fp32 weights within 1e-4 under the distribution it was drawn from: softmax(z / T) (what
+the trainer scores), renormalised over the top-k kept."""
 
 from __future__ import annotations
 
@@ -32,11 +33,15 @@ def test_n_samples_temperature_topk_topp_logprobs_match_hf(manager, hf_models):
         assert len(s.token_ids) == 24 and s.stop_reason == "length"
         assert max_logprob_error(ref, PROMPT, s) <= 1e-4
 
+    cool = run(client.generate("gen-t07", PROMPT, {"temperature": 0.7, "max_tokens": 24, "seed": 3}))
+    assert max_logprob_error(ref, PROMPT, cool, temperature=0.7) <= 1e-4
+    assert max_logprob_error(ref, PROMPT, cool) > 1e-2, "T = 0.7 log-probs must not be the untempered ones"
+
     top_k = run(client.generate("gen-topk", PROMPT, {"temperature": 1.5, "top_k": 3, "max_tokens": 32, "seed": 1}))
     logits = hf_step_logits(ref, PROMPT, top_k.token_ids)
     allowed = torch.topk(logits, 3, dim=-1).indices
     assert all(t in allowed[i] for i, t in enumerate(top_k.token_ids)), "a token outside the top-3 was sampled"
-    assert max_logprob_error(ref, PROMPT, top_k) <= 1e-4
+    assert max_logprob_error(ref, PROMPT, top_k, temperature=1.5, top_k=3) <= 1e-4
 
     top_p = run(client.generate("gen-topp", PROMPT, {"temperature": 1.0, "top_p": 0.5, "max_tokens": 32, "seed": 2}))
     probs = torch.softmax(hf_step_logits(ref, PROMPT, top_p.token_ids), dim=-1)

@@ -74,7 +74,7 @@ def test_wake_up_order_is_weights_then_kv_cache():
         state.sleep(3)
 
 
-def test_hf_sampler_greedy_topk_topp_and_raw_logprobs():
+def test_hf_sampler_greedy_topk_topp_and_logprobs_of_the_sampled_distribution():
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
     raw = torch.log_softmax(logits, -1)
     gen = torch.Generator().manual_seed(0)
@@ -87,4 +87,7 @@ def test_hf_sampler_greedy_topk_topp_and_raw_logprobs():
     assert {sample_token(logits, {**base, "top_p": 0.7}, gen)[0] for _ in range(300)} == {0, 1}
     assert {sample_token(logits, {**base, "top_p": 0.85}, gen)[0] for _ in range(300)} == {0, 1, 2}
     token, logp = sample_token(logits, {**base, "temperature": 3.0}, gen)
-    assert logp == pytest.approx(float(raw[token])), "the log-prob is of the raw distribution, not the tempered one"
+    # The trainer scores softmax(z / T): the log-prob is of the tempered distribution the token came from.
+    assert logp == pytest.approx(float(torch.log_softmax(logits / 3.0, -1)[token]))
+    token, logp = sample_token(logits, {**base, "temperature": 5.0, "top_k": 2}, gen)
+    assert logp == pytest.approx(float(torch.log_softmax(logits[:2] / 5.0, -1)[token]))

@@ -169,7 +169,7 @@ def test_memory_abort_and_launch_translations():
     for flag in ("--skip-tokenizer-init", "--enable-memory-saver", "--enable-weights-cpu-backup"):
         assert flag in argv
     assert argv[-2:] == ["--disaggregation-mode", "decode"]
-    assert protocol.SERVER_ENV == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}  # raw log-probs, as the trainer computes
+    assert "SGLANG_RETURN_ORIGINAL_LOGPROB" not in protocol.SERVER_ENV  # tempered log-probs, as the trainer scores
 
 
 def test_adapter_refuses_layouts_and_level_one_sleep_without_backup():

@@ -60,6 +60,7 @@ class MegatronEngine(BaseEngine):
         seed: int = 1234,
         bridge_backend: str = "mrl",
         lora: LoRAConfig | None = None,
+        temperature: float = 1.0,
     ) -> None:
         if micro_batch_size is None and max_tokens_per_micro_batch is None:
             raise ValueError("set micro_batch_size or max_tokens_per_micro_batch")
@@ -71,6 +72,9 @@ class MegatronEngine(BaseEngine):
         self.total_steps = total_steps
         self.seed = seed
         self.chunk_tokens = megatron.logprob_chunk_tokens
+        # The sampling temperature: log-probs and entropy are of softmax(z / T), the distribution samples come from
+        # (greedy rollouts, T = 0, are scored at T = 1 as vLLM does).
+        self.temperature = temperature if temperature > 0 else 1.0
         # megatron.compile_fusions resolved (None: on CUDA): compiled SwiGLU, residual add, RMSNorm, log-prob kernels
         compile_fusions = megatron.compile_fusions
         self.compiled_kernels = torch.cuda.is_available() if compile_fusions is None else compile_fusions
@@ -97,13 +101,16 @@ class MegatronEngine(BaseEngine):
         self.adapters: list[Any] = []
 
     @classmethod
-    def from_actor_config(cls, model_path: str, actor: ActorConfig, *, total_steps: int = 1) -> MegatronEngine:
+    def from_actor_config(
+        cls, model_path: str, actor: ActorConfig, *, total_steps: int = 1, temperature: float = 1.0
+    ) -> MegatronEngine:
         """The actor engine of a recipe: verl's micro-batch knobs select count or token-budget packing."""
         if actor.use_dynamic_bsz:
             micro = {"micro_batch_size": None, "max_tokens_per_micro_batch": actor.ppo_max_token_len_per_gpu}
         else:
             micro = {"micro_batch_size": actor.ppo_micro_batch_size_per_gpu or 1}
-        return cls(model_path, actor.megatron, actor.optim, total_steps=total_steps, lora=actor.lora, **micro)
+        return cls(model_path, actor.megatron, actor.optim, total_steps=total_steps, lora=actor.lora,
+                   temperature=temperature, **micro)
 
     # ---- construction ---------------------------------------------------------------------------------------
     def initialize(self) -> None:
@@ -340,6 +347,7 @@ class MegatronEngine(BaseEngine):
             "chunk_tokens": self.chunk_tokens,
             "keep_logits_bytes": int(self.cfg.logprob_keep_logits_gib * 2**30),
             "compiled": self.compiled_kernels,
+            "temperature": self.temperature,
         }
 
     def _token_outputs(self, mb: PackedMicroBatch, output: Any) -> dict[str, Tensor]:

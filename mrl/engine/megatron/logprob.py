@@ -187,6 +187,9 @@ def output_processor(
         hidden_states = mappings.gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=True)
     else:
         hidden_states = mappings.copy_to_tensor_model_parallel_region(hidden_states)
+    temperature = context.get("temperature", 1.0)
+    if temperature != 1.0:
+        hidden_states = hidden_states / temperature
     rank = parallel_state.get_tensor_model_parallel_rank()
     s, b, h = hidden_states.shape
     labels = context["labels"].transpose(0, 1).reshape(-1)  # [b, s] → s-major like the hidden states
