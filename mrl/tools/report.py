@@ -185,22 +185,66 @@ def render(records: list[dict[str, Any]], out: str | Path, *, title: str = "", d
     return missing
 
 
+# `mrl report RUN RUN ...`: one panel per key, one line per run (a learning run beside its lr-0 control).
+COMPARED = (("val/greedy_acc", "held-out greedy accuracy"), (REWARD, "reward (sampled)"),
+            (LENGTH, "response length (tokens)"), (MISMATCH, "log-prob mismatch"), ("actor/entropy", "entropy"),
+            ("actor/grad_norm", "gradient norm"))
+
+
+def render_comparison(runs: dict[str, list[dict[str, Any]]], out: str | Path, *, title: str = "",
+                      dpi: int = 120) -> list[str]:
+    """Write a PNG with a panel per key of COMPARED and a line per run; return the keys no run had."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(12, 11), dpi=dpi, layout="constrained")
+    missing = []
+    for ax, (key, label) in zip(fig.subplots(3, 2).flat, COMPARED):
+        ax.set_title(label)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        drew = False
+        for name, records in runs.items():
+            steps, values = series(records, key)
+            if steps:
+                ax.plot(steps, values, marker="." if len(steps) < 40 else None, label=name)
+                drew = True
+        if drew:
+            ax.legend(fontsize=8)
+        else:
+            _empty(ax, key)
+            missing.append(key)
+    if title:
+        fig.suptitle(title)
+    fig.savefig(out, format="png")
+    return missing
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Not `run`: mrl/cli.py stores the subcommand's entry point under that name.
-    parser.add_argument("run_dir", help="a run folder with metrics.jsonl (trainer.default_local_dir), or a .jsonl")
-    parser.add_argument("--out", default=None, help="PNG path (default: <run folder>/report.png)")
+    parser.add_argument("run_dir", nargs="+",
+                        help="a run folder with metrics.jsonl (trainer.default_local_dir), or a .jsonl; several: "
+                             "their curves side by side (accuracy, reward, length, mismatch, entropy, grad norm)")
+    parser.add_argument("--out", default=None, help="PNG path (default: <first run folder>/report.png)")
     parser.add_argument("--dpi", type=int, default=120)
 
 
 def run(args: argparse.Namespace) -> int:
-    path = metrics_file(args.run_dir)
-    if not path.is_file():
-        from mrl.config.validate import ConfigError, Violation
+    paths = [metrics_file(r) for r in args.run_dir]
+    for path in paths:
+        if not path.is_file():
+            from mrl.config.validate import ConfigError, Violation
 
-        raise ConfigError([Violation("run_dir", str(path), "no metrics file there (the trainer's jsonl logger "
-                                                           "writes <default_local_dir>/metrics.jsonl)")])
-    records = load_records(path)
+            raise ConfigError([Violation("run_dir", str(path), "no metrics file there (the trainer's jsonl logger "
+                                                               "writes <default_local_dir>/metrics.jsonl)")])
+    path = paths[0]
     out = Path(args.out) if args.out else path.parent / "report.png"
+    if len(paths) > 1:
+        missing = render_comparison({p.parent.name: load_records(p) for p in paths}, out, dpi=args.dpi)
+        print(f"wrote {out}" + (f" (no run had {', '.join(missing)})" if missing else ""))
+        return 0
+    records = load_records(path)
     steps = [r["step"] for r in records if "step" in r]
     title = f"{path.parent.name}: {len(records)} records" + (f", steps {min(steps)}-{max(steps)}" if steps else "")
     missing = render(records, out, title=title, dpi=args.dpi)

@@ -93,16 +93,22 @@ class PPOTrainer:
         self.handover_memory: dict[str, float] = {}  # device memory at each hybrid hand-over (GiB in use)
         self.sync_metrics: dict[str, float] = {}  # bytes the last weight sync moved (per device, sliced / whole)
         self.old_log_prob_share = 1.0  # of the batch's rows the last old log-prob pass computed (MFU)
+        self.fit_start = time.monotonic()  # trainer.time_limit_s counts from here (reset by fit)
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def fit(self) -> list[dict[str, Any]]:
+        self.fit_start = time.monotonic()
         if self.resume() is None and self.sleeps_rollout:
             self.give_devices_to_rollout()  # the first generation runs beside no training state
         if self.config.trainer.val_before_train and self.parts.val_data is not None:
             self.logger.log(0, self.validate())
-        while self.global_steps < self.config.trainer.total_training_steps:
+        while self.global_steps < self.config.trainer.total_training_steps and not self.out_of_time():
             self.logger.log(self.global_steps + 1, self.step())
         return self.logger.history
+
+    def out_of_time(self) -> bool:
+        limit = self.config.trainer.time_limit_s
+        return limit is not None and time.monotonic() - self.fit_start >= limit
 
     def step(self) -> dict[str, Any]:
         c = self.config
@@ -147,7 +153,8 @@ class PPOTrainer:
         metrics.update(self.sync_metrics)
         if self.parts.critic is not None:
             metrics.update(mean_over_updates(critic_out))
-        if c.trainer.test_freq > 0 and self.global_steps % c.trainer.test_freq == 0 and self.parts.val_data:
+        due = c.trainer.test_freq > 0 and (self.global_steps % c.trainer.test_freq == 0 or self.out_of_time())
+        if due and self.parts.val_data:
             with t("validate"):
                 metrics.update(self.validate())
         metrics.update(t.metrics())

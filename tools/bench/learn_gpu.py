@@ -1,0 +1,206 @@
+"""Learning at model scale: supervised warm-up, then hybrid GRPO beside an lr-0 control, on the arithmetic chain.
+
+The task (mrl/data/chain_task.py): a start digit and 15-19 labelled +/- operations that keep it a digit; the response
+works them out one line each (about 230 tokens) and ends with `answer N`; reward 1 for the exact answer
+(mrl/data/chain_reward.py). Stages (`--stages`, in this order):
+
+1. `warmup`: a Qwen2-family model from random weights (`--shape 0.1b`: 135M parameters, the project's character
+   tokenizer) trained with the SFT loss through the Megatron engine (mrl/trainer/sft.py) until its held-out greedy
+   accuracy reaches `--stop-at` (or its time is up); then the task is written to OUT/task as any framework reads
+   it: the HF folder, train/val parquet files (chat prompts, `reward_model.ground_truth`, `data_source`) and the
+   reward module with verl's `compute_score` and mrl's `score` (standard library only). `--write-task DIR` runs
+   this stage alone into DIR.
+2. `grpo`: hybrid GRPO from that checkpoint (Megatron actor and vLLM on one device, bf16, B × n samples, responses
+   up to 1,024 tokens, B / mini-batch updates per step), greedy held-out accuracy every `--test-freq` steps, for
+   `--grpo-seconds` of training (trainer.time_limit_s).
+3. `control`: the same run with learning rate 0, for `--control-seconds`.
+
+Writes OUT/summary.json (warm-up curve, each run's accuracy curve, steps per hour, tokens per second) and
+OUT/learn.png (`mrl report` of the runs side by side); each run's metrics.jsonl lies in OUT/<run>/.
+
+    python tools/bench/learn_gpu.py --shape 0.1b --out /tmp/learn               # all stages, one H200
+    python tools/bench/learn_gpu.py --shape 0.1b --out /tmp/learn --stages warmup control   # then, in a
+    python tools/bench/learn_gpu.py --shape 0.1b --out /tmp/learn --stages grpo --grpo-seconds 420  # later call
+    python tools/bench/learn_gpu.py --shape smoke --out /tmp/smoke              # the CPU smoke (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+REWARD_FN = "mrl.data.chain_reward:score"
+SFT_EVAL_ROWS = 128
+# Per shape: the model, the task's chain lengths and sizes, the warm-up and the GRPO batch.
+SHAPES: dict[str, dict[str, Any]] = {
+    "smoke": dict(
+        model=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2),
+        dtype="float32", chain=(2, 3), max_value=99, n_train=512, n_val=16,
+        sft=dict(steps=20, batch_size=16, lr=3e-3, warmup_steps=4, eval_every=10, max_new_tokens=48),
+        grpo=dict(batch=4, n=4, mini=2, lr=1e-4, response=64, micro_tokens=4096, memory=None),
+    ),
+    "0.1b": dict(
+        model=dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
+                   num_key_value_heads=4),
+        dtype="bfloat16", chain=(15, 19), max_value=9, n_train=50_000, n_val=256,
+        sft=dict(steps=3000, batch_size=128, lr=1e-3, eval_every=20, max_new_tokens=300),
+        grpo=dict(batch=64, n=8, mini=16, lr=2e-4, response=1024, micro_tokens=32768, memory=0.4),
+    ),
+}
+
+
+def warmup(args: argparse.Namespace, shape: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Build the model, warm it up through the engine, write the task; return the task's paths and the report."""
+    import torch
+    from safetensors import safe_open
+
+    from mrl.data.chain_task import chain_rows, sft_example, write_task
+    from mrl.data.synthetic import char_tokenizer
+    from mrl.models.tiny import make_tiny_hf_model
+    from mrl.trainer.sft import SFTSettings, run_sft
+    from mrl.utils.distributed import launch
+
+    train, val = chain_rows(shape["n_train"], shape["n_val"], *shape["chain"], seed=args.seed,
+                            max_value=shape["max_value"])
+    tokenizer = char_tokenizer()
+    init = make_tiny_hf_model("qwen2", out / "init", seed=args.seed, tokenizer=tokenizer, init_std=0.02,
+                              dtype=getattr(torch, shape["dtype"]), max_position_embeddings=2048,
+                              tie_word_embeddings=True, **shape["model"])
+    settings = SFTSettings(model_path=str(init), out_dir=str(out / "warm"), params_dtype=shape["dtype"],
+                           reward_fn=REWARD_FN, stop_at_accuracy=args.stop_at, max_seconds=args.warmup_seconds,
+                           seed=args.seed, **shape["sft"])
+    examples = [sft_example(tokenizer, r) for r in train]
+    # The warm-up's accuracy on the first SFT_EVAL_ROWS held-out prompts (each evaluation generates them all).
+    report = launch(run_sft, 1, settings, examples, val[:SFT_EVAL_ROWS], timeout_s=3600)[0]
+    paths = write_task(out, settings.out_dir, train, val)
+    with safe_open(Path(paths["model"]) / "model.safetensors", "pt") as f:
+        n_params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118 (a safe_open handle, not a dict)
+    report.update(params=n_params, mean_response_chars=statistics.mean(len(r["extra_info"]["solution"]) for r in val))
+    print(f"[learn] warm-up: {report['steps']} steps in {report['seconds']:.0f} s, held-out greedy accuracy "
+          f"{report['curve'][-1]['val_acc']:.3f}; task written to {out}", flush=True)
+    return {**paths, "warmup": report}
+
+
+def grpo_overrides(args: argparse.Namespace, shape: dict[str, Any], task: dict[str, str], label: str,
+                   lr: float, seconds: float, out: Path) -> list[str]:
+    g = shape["grpo"]
+    return [
+        f"model.path={task['model']}", f"data.train_files=[{task['train']}]", f"data.val_files=[{task['val']}]",
+        "data.max_prompt_length=160", f"data.max_response_length={g['response']}",
+        f"data.train_batch_size={g['batch']}", f"rollout.n={g['n']}", f"rollout.temperature={args.temperature}",
+        *([f"rollout.gpu_memory_utilization={g['memory']}"] if g["memory"] else []),
+        f"actor.megatron.params_dtype={shape['dtype']}", "actor.use_dynamic_bsz=true",
+        f"actor.ppo_max_token_len_per_gpu={g['micro_tokens']}", f"actor.ppo_mini_batch_size={g['mini']}",
+        f"actor.optim.lr={lr}", "actor.optim.weight_decay=0.0", "actor.optim.lr_warmup_steps=0",
+        "algorithm.adv_estimator=grpo", f"reward.reward_fn='{REWARD_FN}'",
+        "trainer.total_training_steps=100000", f"trainer.time_limit_s={seconds}", f"trainer.test_freq={args.test_freq}",
+        "trainer.val_before_train=true", "trainer.save_freq=-1", f"trainer.seed={args.seed}",
+        f"trainer.experiment_name={label}", f"trainer.default_local_dir={out / label}",
+        "trainer.logger=[console,jsonl]", "trainer.rollout_dump_per_step=2", *args.overrides,
+    ]
+
+
+def run_grpo(args: argparse.Namespace, shape: dict[str, Any], task: dict[str, str], label: str, lr: float,
+             seconds: float, out: Path) -> dict[str, Any]:
+    from mrl.config.loader import load_config
+    from mrl.trainer.build import build_trainer, shutdown
+
+    cfg = load_config("tiny/grpo", grpo_overrides(args, shape, task, label, lr, seconds, out))
+    print(f"\n[learn] === {label}: lr {lr}, B={cfg.data.train_batch_size} x n={cfg.rollout.n}, "
+          f"{cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size} updates per step, {seconds:.0f} s", flush=True)
+    start = time.monotonic()
+    trainer = build_trainer(cfg)
+    startup = time.monotonic() - start
+    try:
+        history = trainer.fit()
+    finally:
+        shutdown(trainer)
+    return summarize(history, startup)
+
+
+def summarize(history: list[dict[str, Any]], startup: float) -> dict[str, Any]:
+    steps = [h for h in history if "timing_s/step" in h]
+    step_s = [h["timing_s/step"] for h in steps]
+    train_s = sum(step_s)
+    curve = [(h["step"], h["val/greedy_acc"]) for h in history if "val/greedy_acc" in h]
+    later = step_s[1:] or step_s
+
+    def mean(key: str) -> float:
+        values = [h[key] for h in steps if key in h]
+        return statistics.mean(values) if values else float("nan")
+
+    return {
+        "val_greedy_acc": curve, "startup_s": round(startup, 1), "steps": len(steps), "train_s": round(train_s, 1),
+        "steps_per_hour": 3600 / statistics.mean(later) if later else float("nan"),
+        "tokens_per_s": mean("perf/tokens_per_s_per_gpu"), "response_length_mean": mean("response_length/mean"),
+        "logprob_mismatch_max": max((h.get("rollout/logprob_mismatch", float("nan")) for h in steps), default=None),
+        "grad_norm_max": max((h.get("actor/grad_norm", float("nan")) for h in steps), default=None),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="0.1b", choices=sorted(SHAPES))
+    parser.add_argument("--out", default="runs/learn", help="folder for the task, the runs and the summary")
+    parser.add_argument("--write-task", metavar="DIR", help="only warm up and write the task into DIR")
+    parser.add_argument("--task", help="a folder --write-task (or the warmup stage) wrote: skip the warm-up")
+    parser.add_argument("--stages", nargs="+", default=["warmup", "grpo", "control"],
+                        choices=["warmup", "grpo", "control"])
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--stop-at", type=float, default=0.15, help="warm-up: stop once held-out accuracy >= this")
+    parser.add_argument("--warmup-seconds", type=float, default=150.0)
+    parser.add_argument("--lr", type=float, default=None, help="GRPO learning rate (default: the shape's)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="rollout.temperature")
+    parser.add_argument("--grpo-seconds", type=float, default=300.0)
+    parser.add_argument("--control-seconds", type=float, default=120.0)
+    parser.add_argument("--test-freq", type=int, default=5)
+    parser.add_argument("--num-cpus", type=int, default=16)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for both runs (key=value)")
+    args = parser.parse_args()
+    shape = SHAPES[args.shape]
+    if args.write_task:
+        args.out, args.stages = args.write_task, ["warmup"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary_path = out / "summary.json"
+    summary: dict[str, Any] = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary.setdefault("runs", {})
+    if "warmup" in args.stages:
+        task = warmup(args, shape, out / "task")
+        summary["warmup"] = task.pop("warmup")
+    else:
+        folder = Path(args.task or out / "task")
+        task = {"model": str(folder / "model"), "train": str(folder / "train.parquet"),
+                "val": str(folder / "val.parquet")}
+    summary_path.write_text(json.dumps(summary, indent=1))
+    runs = [(f"grpo_seed{args.seed}_t{args.temperature:g}", args.lr or shape["grpo"]["lr"], args.grpo_seconds)
+            if s == "grpo" else (f"control_lr0_seed{args.seed}", 0.0, args.control_seconds)
+            for s in args.stages if s != "warmup"]
+    if runs:
+        from mrl.trainer.main import init_ray
+
+        init_ray(num_cpus=args.num_cpus)
+    for label, lr, seconds in runs:
+        summary["runs"][label] = run_grpo(args, shape, task, label, lr, seconds, out)
+        curve = summary["runs"][label]["val_greedy_acc"]
+        print(f"[learn] {label}: held-out greedy accuracy {curve[0][1]:.3f} -> {curve[-1][1]:.3f} "
+              f"({100 * (curve[-1][1] - curve[0][1]):+.1f} points) in {summary['runs'][label]['train_s']:.0f} s",
+              flush=True)
+        summary_path.write_text(json.dumps(summary, indent=1))
+    done = [out / label for label in summary["runs"] if (out / label / "metrics.jsonl").exists()]
+    if done:
+        from mrl.tools.report import load_records, render_comparison
+
+        render_comparison({d.name: load_records(d / "metrics.jsonl") for d in done}, out / "learn.png",
+                          title=f"arithmetic chain, {args.shape}: GRPO vs lr-0 control")
+    print(f"[learn] summary: {summary_path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
