@@ -39,6 +39,7 @@ from mrl.workers.training_worker import (
     StoreClient,
     TrainingWorker,
     jagged_from_flat,
+    scheduled_updates,
     to_engine_batch,
 )
 
@@ -115,7 +116,7 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
             c.actor.optim if trainable else None,
             micro_batch_size=None if dynamic else micro,
             max_tokens_per_micro_batch=c.actor.ppo_max_token_len_per_gpu if dynamic else None,
-            total_steps=c.trainer.total_training_steps * max(c.data.train_batch_size // c.actor.ppo_mini_batch_size, 1),
+            total_steps=scheduled_updates(c, c.actor.ppo_mini_batch_size, c.actor.ppo_epochs),
             seed=c.trainer.seed,
             bridge_backend=c.model.bridge_backend,
             lora=c.actor.lora if trainable else None,

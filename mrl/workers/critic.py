@@ -22,7 +22,14 @@ from mrl.engine.megatron.engine import MegatronEngine
 from mrl.engine.megatron.packing import PackedMicroBatch, shift_to_tokens
 from mrl.utils.phase_memory import phase_memory, tracks_memory
 from mrl.workers.cpu_threads import worker_threads
-from mrl.workers.training_worker import DeviceHandover, StoreClient, TrainingWorker, jagged_from_flat, to_engine_batch
+from mrl.workers.training_worker import (
+    DeviceHandover,
+    StoreClient,
+    TrainingWorker,
+    jagged_from_flat,
+    scheduled_updates,
+    to_engine_batch,
+)
 
 CRITIC_MESH = "critic"
 VALUE_ROW = 0
@@ -86,8 +93,7 @@ class CriticWorker(StoreClient, DeviceHandover, Worker):
             c.critic.megatron,
             c.critic.optim,
             micro_batch_size=c.critic.ppo_micro_batch_size_per_gpu,
-            total_steps=c.trainer.total_training_steps
-            * max(c.data.train_batch_size // c.critic.ppo_mini_batch_size, 1),
+            total_steps=scheduled_updates(c, c.critic.ppo_mini_batch_size),  # one pass per step (update_critic)
             seed=c.trainer.seed,
             bridge_backend=c.model.bridge_backend,
         )

@@ -134,6 +134,14 @@ class TrainingWorker:
         self.engine.load_checkpoint(path)
 
 
+def scheduled_updates(config: Any, ppo_mini_batch_size: int, epochs: int = 1) -> int:
+    """Optimizer updates of a whole run for a role (`config`: MrlConfig) with this mini-batch size, making `epochs`
+    passes over each step's samples: the LR schedule's decay length, so a decaying LR reaches its minimum at the
+    run's last update (not after 1/epochs of the run)."""
+    per_step = max(config.data.train_batch_size // ppo_mini_batch_size, 1)
+    return config.trainer.total_training_steps * per_step * epochs
+
+
 def jagged_from_flat(values: Tensor, like: JaggedTensor) -> JaggedTensor:
     """Per-token engine outputs (flat, in the batch's order) as a jagged field aligned with `like`."""
     return JaggedTensor(values, like.offsets.clone())
