@@ -197,6 +197,9 @@ class ActorConfig:
     policy_loss: str = "ppo_clip"
     # Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm.
     loss_agg_mode: str = "token-mean"
+    # C of seq-mean-token-sum-norm (Dr. GRPO): each sequence's token sum is divided by it (and by the sequence
+    # count); null: data.max_response_length (verl's default). A constant of the run, as Dr. GRPO requires.
+    loss_scale_factor: float | None = None
     # PPO clip range below 1 (epsilon_low).
     clip_ratio_low: float = 0.2
     # PPO clip range above 1 (epsilon_high; raise it for DAPO's clip-higher).

@@ -24,8 +24,8 @@ from mrl.algo.actor_loss import ActorLossConfig, actor_loss
 from mrl.algo.advantages import AdvantageConfig
 from mrl.algo.kl import KLController
 from mrl.algo.policy_loss import PolicyLossConfig
-from mrl.algo.rollout_correction import RolloutCorrectionConfig, correction_config, correction_stats
-from mrl.config.schema import ActorConfig, AlgorithmConfig, MrlConfig
+from mrl.algo.rollout_correction import correction_config, correction_stats
+from mrl.config.schema import MrlConfig
 from mrl.controller import Dispatch, Execute, Worker, nd_compute, register
 from mrl.data.batch import Batch
 from mrl.data.jagged import JaggedTensor
@@ -39,6 +39,7 @@ from mrl.workers.training_worker import (
     StoreClient,
     TrainingWorker,
     jagged_from_flat,
+    loss_scale_factor,
     scheduled_updates,
     to_engine_batch,
 )
@@ -47,8 +48,10 @@ ACTOR_MESH = "actor"
 POLICY_LOSS_NAMES = {"ppo_clip": "vanilla"}  # config name → algorithm library name (others pass through)
 
 
-def actor_loss_config(actor: ActorConfig, algorithm: AlgorithmConfig | None = None) -> ActorLossConfig:
-    correction = correction_config(algorithm.rollout_correction) if algorithm else RolloutCorrectionConfig()
+def actor_loss_config(config: MrlConfig) -> ActorLossConfig:
+    """The actor's loss settings from a run's config (`actor.*`, `algorithm.rollout_correction`)."""
+    actor, algorithm = config.actor, config.algorithm
+    correction = correction_config(algorithm.rollout_correction)
     return ActorLossConfig(
         policy_loss=PolicyLossConfig(
             loss_mode=POLICY_LOSS_NAMES.get(actor.policy_loss, actor.policy_loss),
@@ -57,6 +60,7 @@ def actor_loss_config(actor: ActorConfig, algorithm: AlgorithmConfig | None = No
             clip_ratio_c=actor.clip_ratio_c,
         ),
         loss_agg_mode=actor.loss_agg_mode,
+        loss_scale_factor=loss_scale_factor(config),
         entropy_coeff=actor.entropy_coeff,
         use_kl_loss=actor.use_kl_loss,
         kl_loss_coef=actor.kl_loss_coef,
@@ -95,7 +99,7 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
         self.ref: TrainingWorker | None = None
         self.rollout: Any = None
         self._adapter_folders: Any = None  # actor.lora.sync=adapter: the PEFT folders per version (rank 0)
-        loss_config = actor_loss_config(config.actor, config.algorithm)
+        loss_config = actor_loss_config(config)
         self.correction = loss_config.rollout_correction
         self.loss_fn = make_actor_loss_fn(loss_config)
         self.on_policy_loss_fn = make_actor_loss_fn(loss_config, on_policy=True)

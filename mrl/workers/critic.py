@@ -27,6 +27,7 @@ from mrl.workers.training_worker import (
     StoreClient,
     TrainingWorker,
     jagged_from_flat,
+    loss_scale_factor,
     scheduled_updates,
     to_engine_batch,
 )
@@ -64,12 +65,14 @@ class MegatronValueEngine(MegatronEngine):
         return ["values"]
 
 
-def make_value_loss_fn(cliprange_value: float, loss_agg_mode: str) -> Any:
+def make_value_loss_fn(cliprange_value: float, loss_agg_mode: str, loss_scale_factor: float | None = None) -> Any:
+    """The value loss, aggregated like the actor's (`loss_scale_factor`: C of seq-mean-token-sum-norm)."""
+
     def loss_fn(outputs: Any, mb: Any, normalizer: Any) -> Any:
         mask = mb["response_mask"]
         out = clipped_value_loss(outputs["values"], mb["values"], mb["returns"], mask, cliprange_value)
-        loss = agg_loss(out.loss_mat, mask, loss_agg_mode, normalizer)
-        local = agg_loss(out.loss_mat.detach(), mask, loss_agg_mode, None)
+        loss = agg_loss(out.loss_mat, mask, loss_agg_mode, normalizer, loss_scale_factor)
+        local = agg_loss(out.loss_mat.detach(), mask, loss_agg_mode, None, loss_scale_factor)
         return loss, {"critic/vf_loss": local, **{f"critic/{k}": v for k, v in out.metrics.items()}}
 
     return loss_fn
@@ -83,7 +86,8 @@ class CriticWorker(StoreClient, DeviceHandover, Worker):
         torch.set_num_threads(worker_threads(config, torch.cuda.is_available()))  # mrl/workers/cpu_threads.py
         self.config = config
         self.critic: TrainingWorker | None = None
-        self.loss_fn = make_value_loss_fn(config.critic.cliprange_value, config.actor.loss_agg_mode)
+        self.loss_fn = make_value_loss_fn(config.critic.cliprange_value, config.actor.loss_agg_mode,
+                                          loss_scale_factor(config))
 
     @register(Dispatch.ONE_TO_ALL, blocking=False)
     def init_model(self) -> None:
