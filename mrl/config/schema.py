@@ -310,7 +310,8 @@ class RolloutConfig:
     nnodes: int = 0
     # Device slots per node of the standalone rollout pool.
     n_gpus_per_node: int = 0
-    # Compute old log-probs with the trainer (False reuses the rollout engine's log-probs: "bypass").
+    # Compute old log-probs with the trainer (False reuses the rollout engine's log-probs: "bypass", which measures
+    # no trainer-vs-rollout mismatch, so the rollout/* mismatch metrics are absent).
     recompute_old_log_prob: bool = True
     # Run the inference engine eagerly: no CUDA graphs (vLLM, SGLang, TensorRT-LLM) and no torch.compile (vLLM).
     # None: the engine's device default, graphs on GPU and eager on CPU, where vLLM's compile costs ~35 s per

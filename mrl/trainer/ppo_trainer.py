@@ -259,10 +259,11 @@ class PPOTrainer:
     def compute_old_log_prob(self, batch: Batch) -> dict[str, float]:
         """π_old into the store (by the actor; all rows but those the first update trains on-policy); returns the
         rollout-vs-trainer mismatch metrics of the rows it computed, and the rollout correction's (`rollout_corr/*`,
-        also per staleness level)."""
+        also per staleness level). Bypass mode computes no π_old, so it measures, and reports, no mismatch."""
         if not self.config.rollout.recompute_old_log_prob:
-            # bypass: the workers read the rollout's log-probs as π_old, so the two agree exactly
-            return {"rollout/logprob_mismatch": 1.0, "rollout/mismatch_kl": 0.0, "rollout/logprob_abs_diff_max": 0.0}
+            # bypass: the workers read the rollout's log-probs as π_old. Their agreement with themselves measures
+            # nothing of the trainer against the engine: no `rollout/*` metric rather than a constant 1.0.
+            return {}
         # The actor skips rows its first update trains on-policy (ActorRolloutRefWorker.on_policy_rows).
         per_rank = self.parts.actor_rollout.compute_log_prob(batch, self.num_updates)
         self.old_log_prob_share = min(sum(r["rows"] for r in per_rank) / max(len(batch), 1), 1.0)
