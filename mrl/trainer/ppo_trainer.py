@@ -105,13 +105,14 @@ class PPOTrainer:
         return self.logger.history
 
     def step(self) -> dict[str, Any]:
-        c = self.config
         t = self.timer = StageTimer()
         step_start = time.perf_counter()
         with t("gen"):
             self.on_sample_begin()
             trajectories = self.sample()  # stage 1 + 2: rollout, then reward (timed inside as "reward")
         self.on_sample_end()  # hybrid: the devices go to the trainer (timed as handover/*)
+        if not trajectories:
+            return self.skip_step(step_start)
         batch = self.to_training_batch(trajectories)  # store keys + scalar columns
         with t("balance"):
             batch = self.balance(batch)
@@ -137,22 +138,42 @@ class PPOTrainer:
         if self.updates_all_skipped:
             print(f"[mrl] step {self.global_steps}: every actor update was skipped (NaN/Inf loss or gradients); "
                   "the rollout keeps the last good weights", flush=True)
+        metrics = self.step_metrics(trajectories, actor_out, mismatch)
+        if self.parts.critic is not None:
+            metrics.update(mean_over_updates(critic_out))
+        return self.end_step(metrics, step_start, batch)
+
+    def skip_step(self, step_start: float) -> dict[str, Any]:
+        """A step without samples: dynamic sampling evicted every group of its `data.max_sample_rounds` rounds (all
+        rewards equal: no gradient anywhere). It trains nothing and says so (`train/skipped_step`, a warning), yet
+        counts, so a run on prompts it already solves ends after total_training_steps instead of looping. verl
+        raises once its refill budget is spent; one step without signal is no reason to end a run."""
+        self.release_samples(light_batch([]))  # the evicted groups' samples
+        self.global_steps += 1
+        self.updates_all_skipped = True  # the actor did not change: awake replicas keep their weights
+        print(f"[mrl] step {self.global_steps}: dynamic sampling kept no prompt group in "
+              f"{self.config.data.max_sample_rounds} generation rounds (every group's rewards were equal); the step "
+              "trains nothing", flush=True)
+        return self.end_step({"train/skipped_step": 1.0, "buffer/evicted_groups": self.buffer.evicted}, step_start)
+
+    def end_step(self, metrics: dict[str, Any], step_start: float, batch: Batch | None = None) -> dict[str, Any]:
+        """What ends every step, trained or skipped: a checkpoint when due, the weight sync (replicas that slept get
+        their weights back), validation when due, timings, and throughput of the trained `batch`."""
+        c, t = self.config, self.timer
         if checkpointing.due(self.global_steps, c.trainer.save_freq, c.trainer.total_training_steps):
             with t("save_checkpoint"):
                 self.save_checkpoint()
         with t("update_weights"):
             self.sync_weights()
-        metrics = self.step_metrics(trajectories, actor_out, mismatch)
         metrics.update(self.take_handover_memory())
         metrics.update(self.sync_metrics)
-        if self.parts.critic is not None:
-            metrics.update(mean_over_updates(critic_out))
         if c.trainer.test_freq > 0 and self.global_steps % c.trainer.test_freq == 0 and self.parts.val_data:
             with t("validate"):
                 metrics.update(self.validate())
         metrics.update(t.metrics())
         metrics["timing_s/step"] = time.perf_counter() - step_start
-        metrics.update(self.perf_metrics(batch, metrics))
+        if batch is not None:
+            metrics.update(self.perf_metrics(batch, metrics))
         self.on_step_end(metrics)
         return metrics
 
@@ -411,6 +432,7 @@ class PPOTrainer:
             "reward/mean": float(scores.mean()),
             "response_length/mean": gen_tokens / max(len(real), 1),
             "buffer/evicted_groups": self.buffer.evicted,
+            "train/skipped_step": 0.0,
             "perf/gen_tokens_per_s": gen_tokens / max(self.timer.seconds.get("gen", 0.0), 1e-9),
         }
         metrics.update(agent_loop_metrics(real))
