@@ -28,7 +28,7 @@ from mrl.data.batch import Batch
 from mrl.data.datasets import RLDataset
 from mrl.data.replay_buffer import ReplayBuffer, pad_with_noops
 from mrl.data.sample_store import SampleStore
-from mrl.data.samples import light_batch
+from mrl.data.samples import light_batch, put_noop_payloads
 from mrl.reward.evaluator import RewardEvaluator, RewardItem
 from mrl.rollout.device_sync import device_sync_metrics
 from mrl.trainer import batching, checkpointing
@@ -270,9 +270,12 @@ class PPOTrainer:
 
     def to_training_batch(self, trajectories: list[dict[str, Any]]) -> Batch:
         """The step's light batch (store keys and scalar columns). No-op samples make the count divisible by
-        DP × updates (actor and critic), so every rank makes the same updates."""
+        DP × updates (actor and critic), so every rank makes the same updates; each owns a copy of its source's
+        payload in the store."""
         multiple = self.dp_size * math.lcm(self.num_updates, self.num_critic_updates)
-        return light_batch(pad_with_noops(trajectories, multiple))
+        records = pad_with_noops(trajectories, multiple)
+        put_noop_payloads(self.store, records)
+        return light_batch(records)
 
     def balance(self, batch: Batch) -> Batch:
         return batch[batching.balance_order(batch["length"].tolist(), self.dp_size)]
