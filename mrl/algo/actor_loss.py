@@ -12,9 +12,11 @@ micro-batches reports them at the scale of the step.
 Rollout correction (`algorithm.rollout_correction`, mrl/algo/rollout_correction.py) runs here, per micro-batch, on
 the three log-probs kept apart: π_rollout (`rollout_log_prob`, the engine's), π_old (stored, or the forward's own
 on rows trained on-policy) and π_θ. Every correction is per token or per whole sequence, and sequences are never
-split between micro-batches, so the result does not depend on the split. Rejected tokens get w = 0 in the
-policy-gradient term only: the denominators (step-global, counted before any forward) and the entropy and KL
-terms keep them, so rows whose π_old comes from their own forward are treated exactly like stored ones.
+split between micro-batches, so the result does not depend on the split. Rejected tokens leave the loss entirely,
+as in verl: the old log-prob pass removes them from the stored response mask (ActorRolloutRefWorker
+.compute_log_prob), so `response_mask` here, every agg and the step-global denominators (counted from it before
+any forward) exclude them. Rejection again on that mask keeps every token (it is idempotent), so the w = 0 it
+gives here only matters to a caller that passes the uncorrected mask.
 """
 
 from dataclasses import dataclass, field

@@ -69,8 +69,9 @@ def agg_loss(
 ) -> Tensor:
     """This batch's share of the step loss in `loss_agg_mode` (formulas in the module docstring).
 
-    `loss_scale_factor` is C of seq-mean-token-sum-norm; it defaults to the padded response length of the given
-    batch, which differs between micro-batches, so pass the configured max response length when splitting.
+    `loss_scale_factor` is C of seq-mean-token-sum-norm; it defaults to the padded width of the given batch, which
+    differs between micro-batches, so split steps pass the run's constant (the workers: `actor.loss_scale_factor`
+    or data.max_response_length, mrl/workers/training_worker.py `loss_scale_factor`).
     A denominator of 0 (a step of only no-op samples) gives a loss of exactly 0, not nan.
     """
     if loss_agg_mode not in LOSS_AGG_MODES:

@@ -15,9 +15,10 @@ log ρ_t = old_log_prob − rollout_log_prob:
 
 Weights are constants (no gradient): π_old and π_rollout are both fixed in a step. Everything is computed in log
 space, so sequence products of thousands of tokens neither overflow nor turn into nan. Names follow verl's
-`algorithm.rollout_correction`. The actor loss applies `apply_rollout_correction` per micro-batch (every unit is a
-token or a whole sequence, and micro-batches keep sequences whole): rejected tokens get weight 0 in the
-policy-gradient term, the loss denominators stay those of the uncorrected mask (mrl/algo/actor_loss.py). The
+`algorithm.rollout_correction`. The old log-prob pass removes rejected tokens from the stored response mask (so
+they leave every loss term and the denominators, as in verl), and the actor loss applies `apply_rollout_correction`
+per micro-batch for the weights (every unit is a token or a whole sequence, and micro-batches keep sequences
+whole; rejection on an already rejected mask keeps it as it is; mrl/algo/actor_loss.py). The
 step's metrics come from `correction_stats` on each rank's rows where π_old is computed, reduced exactly on the
 driver (`correction_metrics`), also per staleness level.
 

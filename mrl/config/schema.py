@@ -197,6 +197,9 @@ class ActorConfig:
     policy_loss: str = "ppo_clip"
     # Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm.
     loss_agg_mode: str = "token-mean"
+    # C of seq-mean-token-sum-norm (Dr. GRPO): each sequence's token sum is divided by it (and by the sequence
+    # count); null: data.max_response_length (verl's default). A constant of the run, as Dr. GRPO requires.
+    loss_scale_factor: float | None = None
     # PPO clip range below 1 (epsilon_low).
     clip_ratio_low: float = 0.2
     # PPO clip range above 1 (epsilon_high; raise it for DAPO's clip-higher).
@@ -307,7 +310,8 @@ class RolloutConfig:
     nnodes: int = 0
     # Device slots per node of the standalone rollout pool.
     n_gpus_per_node: int = 0
-    # Compute old log-probs with the trainer (False reuses the rollout engine's log-probs: "bypass").
+    # Compute old log-probs with the trainer (False reuses the rollout engine's log-probs: "bypass", which measures
+    # no trainer-vs-rollout mismatch, so the rollout/* mismatch metrics are absent).
     recompute_old_log_prob: bool = True
     # Run the inference engine eagerly: no CUDA graphs (vLLM, SGLang, TensorRT-LLM) and no torch.compile (vLLM).
     # None: the engine's device default, graphs on GPU and eager on CPU, where vLLM's compile costs ~35 s per

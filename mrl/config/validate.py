@@ -341,6 +341,9 @@ def _optimizers(cfg: DictConfig, _: bool) -> Iterator[Violation]:
             yield Violation(f"{o}.betas", betas, "Adam's betas must each be in [0, 1)")
     for path in ("actor.clip_ratio_high", "actor.kl_loss_coef", "critic.cliprange_value"):  # clip_ratio_low: RANGES
         yield from _at_least(cfg, path, 0.0)
+    scale = _get(cfg, "actor.loss_scale_factor")
+    if scale is not None and scale <= 0:
+        yield Violation("actor.loss_scale_factor", scale, "the seq-mean-token-sum-norm constant must be > 0")
     c = _get(cfg, "actor.clip_ratio_c")
     if c <= 1.0:
         yield Violation("actor.clip_ratio_c", c, "the dual-clip bound must be > 1")

@@ -105,10 +105,13 @@ class ReplayBuffer:
 
 
 def noop_like(record: dict[str, Any], uid: str) -> dict[str, Any]:
-    """A synthetic sample that trains nothing: the same tokens (the same store key) flagged `is_noop`, which the
-    workers turn into an all-zero response mask, and no reward, so it makes sample counts divisible (DP size,
-    mini-batches) without moving any loss denominator."""
-    return {**record, "uid": uid, "score": 0.0, "is_noop": True}
+    """A synthetic sample that trains nothing: the same tokens under a store key of its own (`noop_of` names the
+    key whose payload the trainer copies there, mrl/data/samples.py `put_noop_payloads`), flagged `is_noop`, which
+    the workers turn into an all-zero response mask, and no reward, so it makes sample counts divisible (DP size,
+    mini-batches) without moving any loss denominator. Its own key takes its own outputs (`old_log_probs`, ...):
+    a no-op never reads its source's, which the source may not have (a row trained on-policy gets no π_old)."""
+    return {**record, "uid": uid, "key": f"{record.get('key')}/{uid}", "noop_of": record.get("key"), "score": 0.0,
+            "is_noop": True}
 
 
 def pad_with_noops(records: list[dict[str, Any]], multiple: int) -> list[dict[str, Any]]:

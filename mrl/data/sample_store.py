@@ -54,6 +54,10 @@ class StorageUnit:
         rows = {k: {f: j[i].clone() for f, j in columns.items()} for i, k in enumerate(keys)}
         return self.put(rows) if new else self.update(rows)
 
+    def put_copies(self, keys: Sequence[str], values: list[Any]) -> int:
+        """`values[0]` (another unit's `get` of one key, resolved by Ray) under each of `keys`."""
+        return self.put({k: values[0] for k in keys})
+
     def update(self, fields_by_key: dict[str, dict[str, Any]]) -> int:
         missing = [k for k in fields_by_key if k not in self.data]
         if missing:
@@ -135,6 +139,19 @@ class SampleStore:
         for ref in self._jagged_refs(keys, columns, new=True):
             await ref
         await self.metadata.register.remote({k: {} for k in keys})
+
+    def copy(self, sources: dict[str, str]) -> None:
+        """Store the value of key `src` under key `dst` too, for each dst → src. A value moves from its unit to the
+        destination's as an object reference: it never passes through this process (the driver)."""
+        by_source: dict[str, list[str]] = {}
+        for dst, src in sources.items():
+            by_source.setdefault(src, []).append(dst)
+        refs = []
+        for src, dsts in by_source.items():
+            value = self.units[self._unit_of(src)].get.remote([src])
+            refs += [self.units[u].put_copies.remote(ks, value) for u, ks in self._by_unit(dsts).items()]
+        ray.get(refs)
+        ray.get(self.metadata.register.remote({k: {} for k in sources}))
 
     def get(self, keys: Sequence[str], fields: Sequence[str] | None = None) -> list[Any]:
         """Values in the order of `keys`; with `fields`, only those entries of each (dict) value."""

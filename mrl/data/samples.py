@@ -7,8 +7,9 @@
 
 The driver's step moves a `Batch` of the records' scalar columns (`light_batch`); the mesh dispatch splits it like
 any batch, and each worker fetches its rows' tensors by key (`fetch`) and writes its outputs back (`write_back`).
-A no-op sample (mrl/data/replay_buffer.py) reuses a real sample's key with `is_noop` set: `fetch` zeroes its
-response mask (it trains nothing) and `write_back` skips it (the key's owner row writes).
+A no-op sample (mrl/data/replay_buffer.py) owns a store key holding a copy of a real sample's payload
+(`put_noop_payloads`), with `is_noop` set: `fetch` zeroes its response mask (it trains nothing), and the workers'
+outputs for it go under its own key like any row's, so no row ever reads another row's outputs.
 """
 
 from __future__ import annotations
@@ -84,9 +85,17 @@ def fetch(store: SampleStore, batch: Batch, fields: Sequence[str]) -> Batch:
 
 
 def write_back(store: SampleStore, batch: Batch, outputs: dict[str, JaggedTensor]) -> None:
-    """Add per-token `outputs` (aligned with `batch`'s rows) to each real sample's value in the store."""
-    real = torch.arange(len(batch)) if "is_noop" not in batch else (~batch["is_noop"]).nonzero().flatten()
-    store.update_jagged([batch["key"][i] for i in real.tolist()], {f: j.index_select(real) for f, j in outputs.items()})
+    """Add per-token `outputs` (aligned with `batch`'s rows) to each row's value in the store (no-op rows own their
+    keys: theirs too)."""
+    store.update_jagged(list(batch["key"]), outputs)
+
+
+def put_noop_payloads(store: SampleStore, records: Sequence[dict[str, Any]]) -> None:
+    """Give each no-op record (mrl/data/replay_buffer.py `noop_like`) its payload: its source's, copied inside the
+    store under the no-op's own key."""
+    copies = {r["key"]: r["noop_of"] for r in records if r.get("is_noop")}
+    if copies:
+        store.copy(copies)
 
 
 def put_sequences(store: SampleStore, keys: Sequence[str], sequences: Sequence[dict[str, Any]]) -> Batch:

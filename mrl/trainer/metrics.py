@@ -11,6 +11,8 @@ Metric names:
   counted as one forward pass over the batch), against `trainer.peak_tflops_per_device`.
 - `memory/cuda_peak_gib/<phase>` (GPU) or `memory/rss_peak_gib/<phase>` (CPU): the largest over the workers of the
   peak CUDA memory allocated, or the peak resident set size, during a worker phase.
+- `train/skipped_step`: 1 when the step trained nothing because dynamic sampling kept no prompt group within
+  `data.max_sample_rounds` rounds (mrl/trainer/ppo_trainer.py `skip_step`), else 0.
 - `staleness/mean`, `staleness/max`: trainer version − the oldest weight version of a trajectory's tokens (0 in sync
   mode).
 """

@@ -28,7 +28,7 @@ from mrl.data.batch import Batch
 from mrl.data.datasets import RLDataset
 from mrl.data.replay_buffer import ReplayBuffer, pad_with_noops
 from mrl.data.sample_store import SampleStore
-from mrl.data.samples import light_batch
+from mrl.data.samples import light_batch, put_noop_payloads
 from mrl.reward.evaluator import RewardEvaluator, RewardItem
 from mrl.rollout.device_sync import device_sync_metrics
 from mrl.trainer import batching, checkpointing
@@ -111,13 +111,14 @@ class PPOTrainer:
         return limit is not None and time.monotonic() - self.fit_start >= limit
 
     def step(self) -> dict[str, Any]:
-        c = self.config
         t = self.timer = StageTimer()
         step_start = time.perf_counter()
         with t("gen"):
             self.on_sample_begin()
             trajectories = self.sample()  # stage 1 + 2: rollout, then reward (timed inside as "reward")
         self.on_sample_end()  # hybrid: the devices go to the trainer (timed as handover/*)
+        if not trajectories:
+            return self.skip_step(step_start)
         batch = self.to_training_batch(trajectories)  # store keys + scalar columns
         with t("balance"):
             batch = self.balance(batch)
@@ -143,23 +144,43 @@ class PPOTrainer:
         if self.updates_all_skipped:
             print(f"[mrl] step {self.global_steps}: every actor update was skipped (NaN/Inf loss or gradients); "
                   "the rollout keeps the last good weights", flush=True)
+        metrics = self.step_metrics(trajectories, actor_out, mismatch)
+        if self.parts.critic is not None:
+            metrics.update(mean_over_updates(critic_out))
+        return self.end_step(metrics, step_start, batch)
+
+    def skip_step(self, step_start: float) -> dict[str, Any]:
+        """A step without samples: dynamic sampling evicted every group of its `data.max_sample_rounds` rounds (all
+        rewards equal: no gradient anywhere). It trains nothing and says so (`train/skipped_step`, a warning), yet
+        counts, so a run on prompts it already solves ends after total_training_steps instead of looping. verl
+        raises once its refill budget is spent; one step without signal is no reason to end a run."""
+        self.release_samples(light_batch([]))  # the evicted groups' samples
+        self.global_steps += 1
+        self.updates_all_skipped = True  # the actor did not change: awake replicas keep their weights
+        print(f"[mrl] step {self.global_steps}: dynamic sampling kept no prompt group in "
+              f"{self.config.data.max_sample_rounds} generation rounds (every group's rewards were equal); the step "
+              "trains nothing", flush=True)
+        return self.end_step({"train/skipped_step": 1.0, "buffer/evicted_groups": self.buffer.evicted}, step_start)
+
+    def end_step(self, metrics: dict[str, Any], step_start: float, batch: Batch | None = None) -> dict[str, Any]:
+        """What ends every step, trained or skipped: a checkpoint when due, the weight sync (replicas that slept get
+        their weights back), validation when due, timings, and throughput of the trained `batch`."""
+        c, t = self.config, self.timer
         if checkpointing.due(self.global_steps, c.trainer.save_freq, c.trainer.total_training_steps):
             with t("save_checkpoint"):
                 self.save_checkpoint()
         with t("update_weights"):
             self.sync_weights()
-        metrics = self.step_metrics(trajectories, actor_out, mismatch)
         metrics.update(self.take_handover_memory())
         metrics.update(self.sync_metrics)
-        if self.parts.critic is not None:
-            metrics.update(mean_over_updates(critic_out))
         due = c.trainer.test_freq > 0 and (self.global_steps % c.trainer.test_freq == 0 or self.out_of_time())
         if due and self.parts.val_data:
             with t("validate"):
                 metrics.update(self.validate())
         metrics.update(t.metrics())
         metrics["timing_s/step"] = time.perf_counter() - step_start
-        metrics.update(self.perf_metrics(batch, metrics))
+        if batch is not None:
+            metrics.update(self.perf_metrics(batch, metrics))
         self.on_step_end(metrics)
         return metrics
 
@@ -256,9 +277,12 @@ class PPOTrainer:
 
     def to_training_batch(self, trajectories: list[dict[str, Any]]) -> Batch:
         """The step's light batch (store keys and scalar columns). No-op samples make the count divisible by
-        DP × updates (actor and critic), so every rank makes the same updates."""
+        DP × updates (actor and critic), so every rank makes the same updates; each owns a copy of its source's
+        payload in the store."""
         multiple = self.dp_size * math.lcm(self.num_updates, self.num_critic_updates)
-        return light_batch(pad_with_noops(trajectories, multiple))
+        records = pad_with_noops(trajectories, multiple)
+        put_noop_payloads(self.store, records)
+        return light_batch(records)
 
     def balance(self, batch: Batch) -> Batch:
         return batch[batching.balance_order(batch["length"].tolist(), self.dp_size)]
@@ -266,10 +290,11 @@ class PPOTrainer:
     def compute_old_log_prob(self, batch: Batch) -> dict[str, float]:
         """π_old into the store (by the actor; all rows but those the first update trains on-policy); returns the
         rollout-vs-trainer mismatch metrics of the rows it computed, and the rollout correction's (`rollout_corr/*`,
-        also per staleness level)."""
+        also per staleness level). Bypass mode computes no π_old, so it measures, and reports, no mismatch."""
         if not self.config.rollout.recompute_old_log_prob:
-            # bypass: the workers read the rollout's log-probs as π_old, so the two agree exactly
-            return {"rollout/logprob_mismatch": 1.0, "rollout/mismatch_kl": 0.0, "rollout/logprob_abs_diff_max": 0.0}
+            # bypass: the workers read the rollout's log-probs as π_old. Their agreement with themselves measures
+            # nothing of the trainer against the engine: no `rollout/*` metric rather than a constant 1.0.
+            return {}
         # The actor skips rows its first update trains on-policy (ActorRolloutRefWorker.on_policy_rows).
         per_rank = self.parts.actor_rollout.compute_log_prob(batch, self.num_updates)
         self.old_log_prob_share = min(sum(r["rows"] for r in per_rank) / max(len(batch), 1), 1.0)
@@ -417,6 +442,7 @@ class PPOTrainer:
             "reward/mean": float(scores.mean()),
             "response_length/mean": gen_tokens / max(len(real), 1),
             "buffer/evicted_groups": self.buffer.evicted,
+            "train/skipped_step": 0.0,
             "perf/gen_tokens_per_s": gen_tokens / max(self.timer.seconds.get("gen", 0.0), 1e-9),
         }
         metrics.update(agent_loop_metrics(real))

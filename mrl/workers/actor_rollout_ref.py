@@ -24,8 +24,8 @@ from mrl.algo.actor_loss import ActorLossConfig, actor_loss
 from mrl.algo.advantages import AdvantageConfig
 from mrl.algo.kl import KLController
 from mrl.algo.policy_loss import PolicyLossConfig
-from mrl.algo.rollout_correction import RolloutCorrectionConfig, correction_config, correction_stats
-from mrl.config.schema import ActorConfig, AlgorithmConfig, MrlConfig
+from mrl.algo.rollout_correction import apply_rollout_correction, correction_config, correction_stats
+from mrl.config.schema import MrlConfig
 from mrl.controller import Dispatch, Execute, Worker, nd_compute, register
 from mrl.data.batch import Batch
 from mrl.data.jagged import JaggedTensor
@@ -39,6 +39,8 @@ from mrl.workers.training_worker import (
     StoreClient,
     TrainingWorker,
     jagged_from_flat,
+    loss_scale_factor,
+    scheduled_updates,
     to_engine_batch,
 )
 
@@ -46,8 +48,10 @@ ACTOR_MESH = "actor"
 POLICY_LOSS_NAMES = {"ppo_clip": "vanilla"}  # config name → algorithm library name (others pass through)
 
 
-def actor_loss_config(actor: ActorConfig, algorithm: AlgorithmConfig | None = None) -> ActorLossConfig:
-    correction = correction_config(algorithm.rollout_correction) if algorithm else RolloutCorrectionConfig()
+def actor_loss_config(config: MrlConfig) -> ActorLossConfig:
+    """The actor's loss settings from a run's config (`actor.*`, `algorithm.rollout_correction`)."""
+    actor, algorithm = config.actor, config.algorithm
+    correction = correction_config(algorithm.rollout_correction)
     return ActorLossConfig(
         policy_loss=PolicyLossConfig(
             loss_mode=POLICY_LOSS_NAMES.get(actor.policy_loss, actor.policy_loss),
@@ -56,6 +60,7 @@ def actor_loss_config(actor: ActorConfig, algorithm: AlgorithmConfig | None = No
             clip_ratio_c=actor.clip_ratio_c,
         ),
         loss_agg_mode=actor.loss_agg_mode,
+        loss_scale_factor=loss_scale_factor(config),
         entropy_coeff=actor.entropy_coeff,
         use_kl_loss=actor.use_kl_loss,
         kl_loss_coef=actor.kl_loss_coef,
@@ -94,7 +99,7 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
         self.ref: TrainingWorker | None = None
         self.rollout: Any = None
         self._adapter_folders: Any = None  # actor.lora.sync=adapter: the PEFT folders per version (rank 0)
-        loss_config = actor_loss_config(config.actor, config.algorithm)
+        loss_config = actor_loss_config(config)
         self.correction = loss_config.rollout_correction
         self.loss_fn = make_actor_loss_fn(loss_config)
         self.on_policy_loss_fn = make_actor_loss_fn(loss_config, on_policy=True)
@@ -115,7 +120,7 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
             c.actor.optim if trainable else None,
             micro_batch_size=None if dynamic else micro,
             max_tokens_per_micro_batch=c.actor.ppo_max_token_len_per_gpu if dynamic else None,
-            total_steps=c.trainer.total_training_steps * max(c.data.train_batch_size // c.actor.ppo_mini_batch_size, 1),
+            total_steps=scheduled_updates(c, c.actor.ppo_mini_batch_size, c.actor.ppo_epochs),
             seed=c.trainer.seed,
             bridge_backend=c.model.bridge_backend,
             lora=c.actor.lora if trainable else None,
@@ -148,10 +153,11 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
         update runs on the weights π_old is computed with, so its forward's log-probs are π_old and the old
         log-prob pass skips those rows (1/num_updates of it). Only with one pass over the data (ppo_epochs 1), when
         nothing reads π_old before the update (KL in reward does) and with more than one update, so the mismatch
-        metrics keep rows to measure."""
+        metrics keep rows to measure. Not under rollout-correction rejection either: it edits the response mask from
+        π_old, and the engine counts the loss denominators from that mask before the update's forward."""
         c = self.config
         if (not c.actor.on_policy_first_update or not c.rollout.recompute_old_log_prob or c.actor.ppo_epochs != 1
-                or num_updates < 2 or c.algorithm.use_kl_in_reward):
+                or num_updates < 2 or c.algorithm.use_kl_in_reward or self.correction.rejects):
             return 0
         return rows // num_updates
 
@@ -160,8 +166,9 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
     def compute_log_prob(self, batch: Batch, num_updates: int = 1) -> dict[str, float]:
         """`old_log_probs` of every token under the current actor, into the store; returns this rank's
         rollout-vs-trainer mismatch (`rank_mismatch`) and, under "correction", the sums behind the rollout
-        correction's metrics per weight version (`correction_stats`). Given the step's `num_updates`, rows that
-        `update_actor` trains on-policy are skipped (`on_policy_rows`)."""
+        correction's metrics per weight version (`correction_stats`). Under rejection (`rollout_rs`, the veto) the
+        stored `response_mask` loses the rejected tokens. Given the step's `num_updates`, rows that `update_actor`
+        trains on-policy are skipped (`on_policy_rows`)."""
         batch = batch[self.on_policy_rows(len(batch), num_updates):]
         replay = self.config.actor.megatron.router_replay
         fetched = self.fetch(batch, ["input_ids", "response_mask", "rollout_log_probs", *self.replayed_fields("old")])
@@ -170,13 +177,20 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
         written = {"old_log_probs": fetched.jagged_field("old_log_probs")}
         if replay == "old_log_prob":  # R2: the update replays what this pass routed by
             written["routed_experts"] = outputs["routed_experts"]
+        padded = {k: fetched.as_padded(k)[0] for k in ("old_log_probs", "rollout_log_probs", "response_mask")}
+        if self.correction.rejects:
+            # As verl: rejected tokens leave the response mask itself, so every term of the update (and the critic's)
+            # and the step-global denominators, counted from the stored mask before any forward, leave them out.
+            _, kept = apply_rollout_correction(padded["old_log_probs"], padded["rollout_log_probs"],
+                                               padded["response_mask"], self.correction)
+            mask = fetched.jagged_field("response_mask")
+            written["response_mask"] = JaggedTensor.from_padded(kept.to(mask.values.dtype), mask.lengths())
         self.write(ACTOR_MESH, batch, written)
         routing = {}
         if replay == "rollout":
             num_experts = self.actor.engine.tf_config.num_moe_experts  # type: ignore[union-attr]
             routing = routing_metrics(outputs["own_experts"].values, fetched.jagged_field("routed_experts").values,
                                       num_experts, used=outputs["routed_experts"].values)
-        padded = {k: fetched.as_padded(k)[0] for k in ("old_log_probs", "rollout_log_probs", "response_mask")}
         versions = batch["min_version"] if "min_version" in batch else torch.full((len(batch),), -1)
         stats = correction_stats(padded["old_log_probs"], padded["rollout_log_probs"], padded["response_mask"],
                                  self.correction, versions)

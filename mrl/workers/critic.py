@@ -22,7 +22,15 @@ from mrl.engine.megatron.engine import MegatronEngine
 from mrl.engine.megatron.packing import PackedMicroBatch, shift_to_tokens
 from mrl.utils.phase_memory import phase_memory, tracks_memory
 from mrl.workers.cpu_threads import worker_threads
-from mrl.workers.training_worker import DeviceHandover, StoreClient, TrainingWorker, jagged_from_flat, to_engine_batch
+from mrl.workers.training_worker import (
+    DeviceHandover,
+    StoreClient,
+    TrainingWorker,
+    jagged_from_flat,
+    loss_scale_factor,
+    scheduled_updates,
+    to_engine_batch,
+)
 
 CRITIC_MESH = "critic"
 VALUE_ROW = 0
@@ -57,12 +65,14 @@ class MegatronValueEngine(MegatronEngine):
         return ["values"]
 
 
-def make_value_loss_fn(cliprange_value: float, loss_agg_mode: str) -> Any:
+def make_value_loss_fn(cliprange_value: float, loss_agg_mode: str, loss_scale_factor: float | None = None) -> Any:
+    """The value loss, aggregated like the actor's (`loss_scale_factor`: C of seq-mean-token-sum-norm)."""
+
     def loss_fn(outputs: Any, mb: Any, normalizer: Any) -> Any:
         mask = mb["response_mask"]
         out = clipped_value_loss(outputs["values"], mb["values"], mb["returns"], mask, cliprange_value)
-        loss = agg_loss(out.loss_mat, mask, loss_agg_mode, normalizer)
-        local = agg_loss(out.loss_mat.detach(), mask, loss_agg_mode, None)
+        loss = agg_loss(out.loss_mat, mask, loss_agg_mode, normalizer, loss_scale_factor)
+        local = agg_loss(out.loss_mat.detach(), mask, loss_agg_mode, None, loss_scale_factor)
         return loss, {"critic/vf_loss": local, **{f"critic/{k}": v for k, v in out.metrics.items()}}
 
     return loss_fn
@@ -76,7 +86,8 @@ class CriticWorker(StoreClient, DeviceHandover, Worker):
         torch.set_num_threads(worker_threads(config, torch.cuda.is_available()))  # mrl/workers/cpu_threads.py
         self.config = config
         self.critic: TrainingWorker | None = None
-        self.loss_fn = make_value_loss_fn(config.critic.cliprange_value, config.actor.loss_agg_mode)
+        self.loss_fn = make_value_loss_fn(config.critic.cliprange_value, config.actor.loss_agg_mode,
+                                          loss_scale_factor(config))
 
     @register(Dispatch.ONE_TO_ALL, blocking=False)
     def init_model(self) -> None:
@@ -86,8 +97,7 @@ class CriticWorker(StoreClient, DeviceHandover, Worker):
             c.critic.megatron,
             c.critic.optim,
             micro_batch_size=c.critic.ppo_micro_batch_size_per_gpu,
-            total_steps=c.trainer.total_training_steps
-            * max(c.data.train_batch_size // c.critic.ppo_mini_batch_size, 1),
+            total_steps=scheduled_updates(c, c.critic.ppo_mini_batch_size),  # one pass per step (update_critic)
             seed=c.trainer.seed,
             bridge_backend=c.model.bridge_backend,
         )

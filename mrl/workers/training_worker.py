@@ -134,6 +134,22 @@ class TrainingWorker:
         self.engine.load_checkpoint(path)
 
 
+def scheduled_updates(config: Any, ppo_mini_batch_size: int, epochs: int = 1) -> int:
+    """Optimizer updates of a whole run for a role (`config`: MrlConfig) with this mini-batch size, making `epochs`
+    passes over each step's samples: the LR schedule's decay length, so a decaying LR reaches its minimum at the
+    run's last update (not after 1/epochs of the run)."""
+    per_step = max(config.data.train_batch_size // ppo_mini_batch_size, 1)
+    return config.trainer.total_training_steps * per_step * epochs
+
+
+def loss_scale_factor(config: Any) -> float:
+    """C of seq-mean-token-sum-norm in the actor's and the critic's losses (`config`: MrlConfig):
+    `actor.loss_scale_factor`, else the longest response (verl's default). Never a batch's own width: ours is the
+    padded micro-batch's, prompt included, and differs from one micro-batch to the next."""
+    scale = config.actor.loss_scale_factor
+    return float(scale) if scale is not None else float(config.data.max_response_length)
+
+
 def jagged_from_flat(values: Tensor, like: JaggedTensor) -> JaggedTensor:
     """Per-token engine outputs (flat, in the batch's order) as a jagged field aligned with `like`."""
     return JaggedTensor(values, like.offsets.clone())

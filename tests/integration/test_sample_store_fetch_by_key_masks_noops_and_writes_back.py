@@ -1,7 +1,8 @@
 """The sample path's worker side on a real store: a light batch (keys + scalar columns) fetches exactly the asked
-fields of its rows by key, in the batch's order; a no-op row reuses its source's tokens with an all-zero response
-mask; outputs go back under the real rows' keys only; bypass mode reads the rollout's log-probs as old ones; and
-the store counts what it holds (values and tags), so a test can prove a step left nothing behind."""
+fields of its rows by key, in the batch's order; a no-op row owns a copy of its source's tokens under its own key
+(copied inside the store) and reads them with an all-zero response mask; every row's outputs go back under its own
+key; bypass mode reads the rollout's log-probs as old ones; and the store counts what it holds (values and tags),
+so a test can prove a step left nothing behind."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 from mrl.data.jagged import JaggedTensor
 from mrl.data.replay_buffer import pad_with_noops
 from mrl.data.sample_store import SampleStore
-from mrl.data.samples import fetch, light_batch, payload, write_back
+from mrl.data.samples import fetch, light_batch, payload, put_noop_payloads, write_back
 from mrl.workers.training_worker import StoreClient
 
 pytestmark = pytest.mark.integration
@@ -29,8 +30,12 @@ def test_fetch_by_key_masks_noops_writes_back_and_empties(store):
     store.put({r["key"]: payload([7, 8], list(range(1, r["response_len"] + 1)), [1] * r["response_len"],
                                  [-0.5] * r["response_len"]) for r in records})
     assert store.size() == {"values": 3, "tags": 3}
-    batch = light_batch(pad_with_noops(records, 4))[[3, 2, 0, 1]]  # the no-op (a copy of k0) first
-    assert list(batch["key"]) == ["k0", "k2", "k0", "k1"] and batch["is_noop"].tolist() == [True, False, False, False]
+    padded = pad_with_noops(records, 4)
+    put_noop_payloads(store, padded)
+    assert store.size() == {"values": 4, "tags": 4}
+    batch = light_batch(padded)[[3, 2, 0, 1]]  # the no-op (a copy of k0) first
+    assert list(batch["key"]) == ["k0/noop-0", "k2", "k0", "k1"]
+    assert batch["is_noop"].tolist() == [True, False, False, False]
 
     fetched = fetch(store, batch, ["input_ids", "response_mask"])
     assert "rollout_log_probs" not in fetched  # only the fields asked for travel
@@ -42,8 +47,8 @@ def test_fetch_by_key_masks_noops_writes_back_and_empties(store):
     out = JaggedTensor(torch.repeat_interleave(torch.arange(len(batch), dtype=torch.float32), ids.lengths()),
                        ids.offsets)
     write_back(store, batch, {"old_log_probs": out})
-    old = [v["old_log_probs"].tolist() for v in store.get(["k0", "k1", "k2"], ["old_log_probs"])]
-    assert old == [[2.0] * 3, [3.0] * 4, [1.0] * 5]  # k0 from its own row (2), never from the no-op's (0)
+    old = [v["old_log_probs"].tolist() for v in store.get(["k0", "k1", "k2", "k0/noop-0"], ["old_log_probs"])]
+    assert old == [[2.0] * 3, [3.0] * 4, [1.0] * 5, [0.0] * 3]  # each row's under its own key
 
     client = StoreClient()
     client.set_store(store)
@@ -53,5 +58,5 @@ def test_fetch_by_key_masks_noops_writes_back_and_empties(store):
 
     with pytest.raises(Exception, match="fields \\['values'\\] missing"):
         store.get(["k0"], ["values"])
-    assert store.delete(sorted(set(batch["key"]))) == 3
+    assert store.delete(sorted(set(batch["key"]))) == 4
     assert store.size() == {"values": 0, "tags": 0}

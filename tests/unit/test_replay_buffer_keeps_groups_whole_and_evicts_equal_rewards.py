@@ -48,5 +48,6 @@ def test_noop_padding_makes_counts_divisible_with_flagged_copies():
     assert len(padded) == 4 and padded[:3] == samples
     noop = padded[3]
     assert noop["is_noop"] and noop["score"] == 0.0 and noop["uid"] == "noop-0"
-    assert noop["key"] == samples[0]["key"]  # the shortest sample's tokens: workers zero its mask (samples.fetch)
+    # the shortest sample's tokens (workers zero its mask, samples.fetch) under a key of its own
+    assert noop["noop_of"] == samples[0]["key"] and noop["key"] not in {t["key"] for t in samples}
     assert pad_with_noops(samples, 3) == samples

@@ -165,9 +165,9 @@ def test_every_setting_reaches_the_actor_loss():
                 "rollout_rs_threshold": 1.01, "rollout_rs_threshold_lower": 0.99, "rollout_token_veto_threshold": 1e-4}
     cfg = load_config("tiny/grpo", [*VALID, *(f"algorithm.rollout_correction.{k}={v}" for k, v in settings.items())],
                       check_paths=False)
-    correction = actor_loss_config(cfg.actor, cfg.algorithm).rollout_correction
+    correction = actor_loss_config(cfg).rollout_correction
     assert {k: getattr(correction, k) for k in settings} == settings and correction.enabled
     decoupled = load_config("tiny/grpo", [*VALID, "algorithm.rollout_correction.use_decoupled_loss=true",
                                           "algorithm.rollout_correction.behav_imp_weight_cap=4"], check_paths=False)
-    correction = actor_loss_config(decoupled.actor, decoupled.algorithm).rollout_correction
+    correction = actor_loss_config(decoupled).rollout_correction
     assert correction.use_decoupled_loss and correction.behav_imp_weight_cap == 4.0
