@@ -15,7 +15,9 @@ layer; both when PP=1):
   `ppo_max_token_len_per_gpu` with dynamic batch size, else micro-batch × (prompt + response) length; 1F1B keeps
   up to PP micro-batches in flight on the first stage. MoE layers are counted like dense ones, and the chunked
   log-prob path keeps logits small, so neither is modelled further. fp32 activations count twice.
-The reference engine (when a KL term is used) holds params only; the critic is a full training engine.
+The reference engine (when a KL term is used) holds params only: the engine freezes a forward-only engine's
+parameters before DDP, so it has no gradient buffer (tests/integration/test_reference_engine_holds_parameters_only.py);
+the critic is a full training engine.
 
 Rollout engine of one device: vLLM/SGLang take `gpu_memory_utilization` × device memory for weights, a
 profiling reserve and the KV cache, so KV budget = util × device − weights / (TP × PP) − reserve. A KV token costs

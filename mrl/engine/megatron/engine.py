@@ -138,6 +138,12 @@ class MegatronEngine(BaseEngine):
 
             # Before DDP and the optimizer: both skip requires_grad=False parameters (no grad buffer, no state).
             self.adapters = lora.apply(chunks, self.lora)
+        if self.optim_cfg is None:
+            # A forward-only engine (the reference) never runs a backward. DDP allocates its fp32 gradient buffer
+            # for the parameters that require grad only, so frozen ones leave it empty (else ≈16 GB per GPU for an
+            # 8B reference at TP 2); the schedule's forward_only path needs the DDP wrapper, not its buffers.
+            for chunk in chunks:
+                chunk.requires_grad_(False)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
@@ -353,6 +359,8 @@ class MegatronEngine(BaseEngine):
     def forward_backward(self, batch: JaggedBatch, loss_fn: LossFn) -> dict[str, float]:
         from megatron.core import parallel_state
 
+        if self.optimizer is None:
+            raise RuntimeError("forward_backward: this engine is forward-only (optim=None): it has no gradients")
         for chunk in self.model:
             chunk.train()
         mbs = self.micro_batches(batch)
