@@ -117,7 +117,8 @@ class MegatronEngine(BaseEngine):
 
         init_distributed()
         initialize_model_parallel(self.layout, seed=self.seed)
-        self.bridge = bridge_for(AutoConfig.from_pretrained(self.model_path), backend=self.bridge_backend)
+        self.bridge = self._select_bridge(bridge_for(AutoConfig.from_pretrained(self.model_path),
+                                                     backend=self.bridge_backend))
         dtype = getattr(torch, self.cfg.params_dtype)
         overrides = {
             **fusion_fields(self.bridge.config_fields(), self.compiled_kernels),
@@ -131,8 +132,8 @@ class MegatronEngine(BaseEngine):
         self.tf_config = self.bridge.transformer_config(**fields)
         chunks = build_chunks(self.tf_config, self.bridge.model_kwargs())
         compile_norms(chunks, self.compiled_kernels)
-        self.bridge.load_hf(chunks, self.model_path)
         self._prepare_chunks(chunks)
+        self.bridge.load_hf(chunks, self.model_path)
         if self.lora is not None:
             from mrl.engine.megatron import lora
 
@@ -168,8 +169,12 @@ class MegatronEngine(BaseEngine):
         # Keyed by the DDP chunk the schedule hands forward_step.
         self._replays = {id(ddp): replays for ddp, replays in zip(self.model, routing.install(chunks, self.moe_layers))}
 
+    def _select_bridge(self, bridge: Any) -> Any:
+        """Hook: the bridge whose table builds and fills the chunks (the critic's drops the vocabulary head)."""
+        return bridge
+
     def _prepare_chunks(self, chunks: list[torch.nn.Module]) -> None:
-        """Hook between weight import and DDP wrapping (the critic adds its value head here)."""
+        """Hook between building the chunks and importing the weights (the critic swaps in its value head)."""
 
     def _recompute_fields(self) -> dict[str, Any]:
         if not self.cfg.recompute_granularity:
