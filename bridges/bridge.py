@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from bridges.hf_io import HFCheckpoint, ReadStats, copy_hf_metadata, write_safetensors
-from bridges.mapping import Mapping, ModelShape, Shard
+from bridges.mapping import Mapping, ModelShape, Replicated, Shard
 from bridges.names import LocalTensor, local_tensors
 
 
@@ -70,6 +70,9 @@ class Bridge:
         self.hf_config = hf_config
         self._table: list[Mapping] | None = None
         self._export_plans: dict[Any, Any] = {}
+        # HF tensors a folder may lack: their parameters then keep the initialisation they were built with.
+        self.optional_hf_names: set[str] = set()
+        self.ignored: set[str] = set()  # HF tensors of the folder that this model has no parameter for
 
     # ---- declarations (per family) -------------------------------------------------------------------------
     def config_fields(self) -> dict[str, Any]:
@@ -89,6 +92,22 @@ class Bridge:
         return TransformerConfig
 
     # ---- generic --------------------------------------------------------------------------------------------
+    def value_model(self) -> Bridge:
+        """This family as a value model (the critic): HF's `…ForTokenClassification` with one label. The
+        vocabulary projection is gone (a causal-LM folder's lm_head is not read, and nothing is tied to the
+        embedding); in its place the last stage's `output_layer` is the score head `score.weight` [1, H]
+        (+ `score.bias`), replicated over TP, read where the folder has one and left as initialised where it has
+        not."""
+        value = copy.copy(self)
+        value.hf_config = copy.copy(self.hf_config)
+        value.hf_config.tie_word_embeddings = False
+        head = [Replicated("output_layer.weight", "score.weight"), Replicated("output_layer.bias", "score.bias")]
+        value._table = [m for m in value.mappings() if m.match("output_layer.weight") is None] + head
+        value._export_plans = {}
+        value.optional_hf_names = {"score.weight", "score.bias"}
+        value.ignored = {"lm_head.weight"}
+        return value
+
     def transformer_config(self, **runtime: Any) -> Any:
         """The TransformerConfig: the family's architecture fields, then runtime fields (layout, dtype...)."""
         return self.config_class()(**{**self.config_fields(), **runtime})
@@ -157,6 +176,8 @@ class Bridge:
                 if resolved is None:
                     continue  # an unmapped buffer (router counters): state, not weights
                 names = resolved.mapping.hf_names(resolved.indices)
+                if not any(n in checkpoint for n in names) and set(names) <= self.optional_hf_names:
+                    continue
                 used.update(names)
                 value = resolved.mapping.load([checkpoint(n) for n in names], self.shard_of(tensor), shape)
                 if value.shape != tensor.tensor.shape:
@@ -171,7 +192,8 @@ class Bridge:
 
     def ignored_hf_names(self, names: set[str]) -> set[str]:
         """Checkpoint tensors that are deliberately not imported (a tied model's stored lm_head copy)."""
-        return {"lm_head.weight"} & names if getattr(self.hf_config, "tie_word_embeddings", False) else set()
+        tied = {"lm_head.weight"} if getattr(self.hf_config, "tie_word_embeddings", False) else set()
+        return (tied | self.ignored) & names
 
     def _check_all_read(self, names: set[str], used: set[str]) -> None:
         if dist.is_initialized() and dist.get_world_size() > 1:

@@ -73,6 +73,9 @@ def bridge_for(hf_config: Any, *, backend: str = "mrl") -> Any:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
         arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(hf_config, "model_type", ""))
+    if arch is not None and arch.endswith("ForTokenClassification"):
+        # A value model's folder (a trained critic, a reward model): the causal LM's body under a score head.
+        arch = arch.removesuffix("ForTokenClassification") + "ForCausalLM"
     if arch not in _BRIDGES:
         raise KeyError(f"no bridge for HF architecture {arch!r}; known: {sorted(_BRIDGES)}")
     return _BRIDGES[arch](hf_config)

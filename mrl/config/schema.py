@@ -228,7 +228,8 @@ class RefConfig:
 
 @dataclass
 class CriticConfig:
-    # Train a critic (value head); needed by adv_estimator=gae.
+    # Train a critic (the policy's transformer under a [hidden → 1] score head, HF's ...ForTokenClassification with
+    # one label, read from model.path where it has one); needed by adv_estimator=gae.
     enable: bool = False
     # Parallel layout of the critic.
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
@@ -240,6 +241,9 @@ class CriticConfig:
     ppo_micro_batch_size_per_gpu: int | None = 1
     # Value clipping range around the old values.
     cliprange_value: float = 0.5
+    # Value-loss aggregation (the critic's own, not the actor's): token-mean, seq-mean-token-sum,
+    # seq-mean-token-mean, seq-mean-token-sum-norm.
+    loss_agg_mode: str = "token-mean"
 
 
 @dataclass

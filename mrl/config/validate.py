@@ -289,6 +289,7 @@ def _algorithm_names(cfg: DictConfig, _: bool) -> Iterator[Violation]:
     if loss not in POLICY_LOSSES:
         yield Violation("actor.policy_loss", loss, f"must be one of {', '.join(POLICY_LOSSES.names())}")
     yield from _one_of(cfg, "actor.loss_agg_mode", LOSS_AGG_MODES)
+    yield from _one_of(cfg, "critic.loss_agg_mode", LOSS_AGG_MODES)
     yield from _one_of(cfg, "actor.kl_loss_type", KL_ESTIMATORS)
 
 

@@ -15,7 +15,10 @@ layer; both when PP=1):
   `ppo_max_token_len_per_gpu` with dynamic batch size, else micro-batch × (prompt + response) length; 1F1B keeps
   up to PP micro-batches in flight on the first stage. MoE layers are counted like dense ones, and the chunked
   log-prob path keeps logits small, so neither is modelled further. fp32 activations count twice.
-The reference engine (when a KL term is used) holds params only; the critic is a full training engine.
+The reference engine (when a KL term is used) holds params only: the engine freezes a forward-only engine's
+parameters before DDP, so it has no gradient buffer (tests/integration/test_reference_engine_holds_parameters_only.py);
+the critic is a full training engine whose last stage holds a [hidden → 1] value head instead of the vocabulary
+projection (mrl/engine/megatron/critic.py).
 
 Rollout engine of one device: vLLM/SGLang take `gpu_memory_utilization` × device memory for weights, a
 profiling reserve and the KV cache, so KV budget = util × device − weights / (TP × PP) − reserve. A KV token costs
@@ -24,6 +27,7 @@ profiling reserve and the KV cache, so KV budget = util × device − weights / 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -140,6 +144,8 @@ def estimate(cfg: DictConfig, shape: ModelShape, device_gib: float, rollout_over
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         est.training.append(engine_memory("ref", shape, cfg.ref.megatron, world, train=False, micro_tokens=tokens))
     if cfg.critic.enable:
-        est.training.append(engine_memory("critic", shape, cfg.critic.megatron, world, train=True, micro_tokens=tokens))
+        value_model = dataclasses.replace(shape, output_params=shape.hidden_size + 1)  # HF's score head, 1 label
+        est.training.append(engine_memory("critic", value_model, cfg.critic.megatron, world, train=True,
+                                          micro_tokens=tokens))
     est.rollout = rollout_memory(shape, cfg, est.device_bytes, rollout_overhead_gib * GiB)
     return est

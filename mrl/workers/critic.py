@@ -1,9 +1,7 @@
-"""Critic: a Megatron engine that outputs a value per token instead of log-probs, and its worker role.
-
-The value head is row 0 of the (vocab-parallel) output layer: V(s_t) = h_{t−1} · W_out[0]. The critic starts from
-the policy's weights, and a row of the existing output projection is a head Megatron already shards, trains and
-checkpoints — no new parameter the bridge would have to know. Token alignment is the log-probs' (value t from the
-hidden state at t−1, see mrl/engine/base.py), so GAE runs on the same [n, L] layout as everything else.
+"""Critic worker: the role that computes values and trains the critic (mrl/engine/megatron/critic.py) under
+its own value loss: verl's clipped value objective (`critic.cliprange_value`) aggregated by `critic.loss_agg_mode`.
+Token alignment is the log-probs' (value t from the hidden state at t−1, see mrl/engine/base.py), so GAE runs on
+the same [n, L] layout as everything else.
 """
 
 from __future__ import annotations
@@ -11,15 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from mrl.algo.aggregation import agg_loss
 from mrl.algo.value_loss import clipped_value_loss
-from mrl.config.schema import MrlConfig
+from mrl.config.schema import CriticConfig, MrlConfig
 from mrl.controller import Dispatch, Worker, nd_compute, register
 from mrl.data.batch import Batch
-from mrl.engine.megatron.engine import MegatronEngine
-from mrl.engine.megatron.packing import PackedMicroBatch, shift_to_tokens
+from mrl.engine.megatron.critic import MegatronCritic
 from mrl.utils.phase_memory import phase_memory, tracks_memory
 from mrl.workers.cpu_threads import worker_threads
 from mrl.workers.training_worker import (
@@ -33,46 +29,17 @@ from mrl.workers.training_worker import (
 )
 
 CRITIC_MESH = "critic"
-VALUE_ROW = 0
 
 
-def value_output_processor(
-    hidden_states: Tensor, output_layer: Any, output_weight: Tensor | None, context: Any, **_: Any
-) -> Tensor:
-    """GPTModel `output_processor` hook: per-position values [b, s] from the value row of the output weight."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import mappings
-
-    weight = output_weight if output_weight is not None else output_layer.weight
-    if output_layer.sequence_parallel:
-        hidden_states = mappings.gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=True)
-    else:
-        hidden_states = mappings.copy_to_tensor_model_parallel_region(hidden_states)
-    # The row lives on TP rank 0 (vocab-parallel shards); other ranks add zeros and the sum is the value.
-    owner = parallel_state.get_tensor_model_parallel_rank() == VALUE_ROW // weight.shape[0]
-    local = hidden_states @ weight[VALUE_ROW % weight.shape[0]] * (1.0 if owner else 0.0)
-    return mappings.reduce_from_tensor_model_parallel_region(local).t()
-
-
-class MegatronValueEngine(MegatronEngine):
-    def _output_processor(self) -> Any:
-        return value_output_processor
-
-    def _token_outputs(self, mb: PackedMicroBatch, output: Any) -> dict[str, Tensor]:
-        return {"values": mb.unpack(shift_to_tokens(output[0], mb.cu_seqlens))}
-
-    def _output_keys(self, entropy: bool) -> list[str]:
-        return ["values"]
-
-
-def make_value_loss_fn(cliprange_value: float, loss_agg_mode: str, loss_scale_factor: float | None = None) -> Any:
-    """The value loss, aggregated like the actor's (`loss_scale_factor`: C of seq-mean-token-sum-norm)."""
+def make_value_loss_fn(critic: CriticConfig, loss_scale_factor: float | None = None) -> Any:
+    """The engine loss_fn of a critic update: ½·max((V−R)², (V_clip−R)²) aggregated as `critic.loss_agg_mode`
+    (`loss_scale_factor`: C of seq-mean-token-sum-norm, the actor's)."""
 
     def loss_fn(outputs: Any, mb: Any, normalizer: Any) -> Any:
         mask = mb["response_mask"]
-        out = clipped_value_loss(outputs["values"], mb["values"], mb["returns"], mask, cliprange_value)
-        loss = agg_loss(out.loss_mat, mask, loss_agg_mode, normalizer, loss_scale_factor)
-        local = agg_loss(out.loss_mat.detach(), mask, loss_agg_mode, None, loss_scale_factor)
+        out = clipped_value_loss(outputs["values"], mb["values"], mb["returns"], mask, critic.cliprange_value)
+        loss = agg_loss(out.loss_mat, mask, critic.loss_agg_mode, normalizer, loss_scale_factor)
+        local = agg_loss(out.loss_mat.detach(), mask, critic.loss_agg_mode, None, loss_scale_factor)
         return loss, {"critic/vf_loss": local, **{f"critic/{k}": v for k, v in out.metrics.items()}}
 
     return loss_fn
@@ -86,20 +53,15 @@ class CriticWorker(StoreClient, DeviceHandover, Worker):
         torch.set_num_threads(worker_threads(config, torch.cuda.is_available()))  # mrl/workers/cpu_threads.py
         self.config = config
         self.critic: TrainingWorker | None = None
-        self.loss_fn = make_value_loss_fn(config.critic.cliprange_value, config.actor.loss_agg_mode,
-                                          loss_scale_factor(config))
+        self.loss_fn = make_value_loss_fn(config.critic, loss_scale_factor(config))
 
     @register(Dispatch.ONE_TO_ALL, blocking=False)
     def init_model(self) -> None:
         c = self.config
-        engine = MegatronValueEngine(
-            c.model.path,
-            c.critic.megatron,
-            c.critic.optim,
-            micro_batch_size=c.critic.ppo_micro_batch_size_per_gpu,
+        engine = MegatronCritic.from_critic_config(
+            c.model.path, c.critic,
             total_steps=scheduled_updates(c, c.critic.ppo_mini_batch_size),  # one pass per step (update_critic)
-            seed=c.trainer.seed,
-            bridge_backend=c.model.bridge_backend,
+            seed=c.trainer.seed, bridge_backend=c.model.bridge_backend,
         )
         engine.initialize()
         self.critic = TrainingWorker(engine)

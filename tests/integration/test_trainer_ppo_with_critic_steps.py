@@ -1,6 +1,7 @@
-"""PPO with a critic and a KL loss to a reference policy: a Megatron value engine (value head = a row of the
-output layer) in its own worker group on the trainer's slot, the reference engine beside the actor in the actor's
-workers, GAE on a worker (per-token values and returns never reach the driver), HF rollout replica (hybrid).
+"""PPO with a critic and a KL loss to a reference policy: the Megatron critic (HF's token-classification score head
+in place of the output layer) in its own worker group on the trainer's slot, the reference engine beside the actor
+in the actor's workers, GAE on a worker (per-token values and returns never reach the driver), HF rollout replica
+(hybrid).
 
 Proves: the critic makes B/M updates per step and its values move; with γ = λ = 1 the GAE returns on every model
 token equal the trajectory's score (less the reward's KL penalty, ~0 at step 1), and prompt tokens carry none; before

@@ -117,6 +117,7 @@ INVALID = [
     (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator", "must be one of"),
     (["actor.policy_loss=dpo"], "actor.policy_loss", "must be one of"),
     (["actor.loss_agg_mode=sum"], "actor.loss_agg_mode", "must be one of"),
+    (["critic.loss_agg_mode=sum"], "critic.loss_agg_mode", "must be one of"),
     (["actor.kl_loss_type=js"], "actor.kl_loss_type", "must be one of"),
     (["actor.megatron.params_dtype=fp8"], "actor.megatron.params_dtype", "must be one of"),
     (["actor.megatron.logprob_keep_logits_gib=-1"], "actor.megatron.logprob_keep_logits_gib", "must be >= 0"),

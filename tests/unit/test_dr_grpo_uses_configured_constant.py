@@ -45,8 +45,8 @@ def test_actor_loss_divides_by_the_configured_constant(overrides, constant):
 
 
 def test_critic_loss_divides_by_the_same_constant():
-    cfg = config("actor.loss_scale_factor=10")
-    loss_fn = make_value_loss_fn(cfg.critic.cliprange_value, cfg.actor.loss_agg_mode, loss_scale_factor(cfg))
+    cfg = config("actor.loss_scale_factor=10", "critic.loss_agg_mode=seq-mean-token-sum-norm")
+    loss_fn = make_value_loss_fn(cfg.critic, loss_scale_factor(cfg))
     # values = old values, returns = values + 2: every token's clipped loss is ½·2² = 2
     loss = step_loss(loss_fn, lambda i: {"values": torch.zeros_like(MASKS[i])},
                      lambda i: {"values": torch.zeros_like(MASKS[i]), "returns": torch.full_like(MASKS[i], 2.0),

@@ -130,3 +130,14 @@ def test_cli_json_output_carries_the_accounting(capsys):
     assert plan["can_start"] is True
     assert plan["accounting"]["updates_per_step"] == 4
     assert plan["memory"]["device_bytes"] == 141 * GiB
+
+
+def test_the_critic_holds_a_value_head_instead_of_the_vocabulary_projection():
+    p = _qwen3_8b_params()
+    plan = make_plan("qwen3/8b_grpo", [*SEED_DEFAULTS, "rollout.n=1", "critic.enable=true",
+                                       "critic.megatron.tensor_model_parallel_size=2",
+                                       "critic.megatron.params_dtype=bfloat16"])
+    critic = next(e for e in plan.memory.training if e.role == "critic")
+    per_device = (p["layers"] + p["embedding"] + 4096 + 1) / 2  # the [4096 → 1] score head, not 151936 x 4096
+    assert critic.params == pytest.approx(2 * per_device)
+    assert critic.grads == pytest.approx(4 * per_device)

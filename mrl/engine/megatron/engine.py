@@ -124,7 +124,8 @@ class MegatronEngine(BaseEngine):
 
         init_distributed()
         initialize_model_parallel(self.layout, seed=self.seed)
-        self.bridge = bridge_for(AutoConfig.from_pretrained(self.model_path), backend=self.bridge_backend)
+        self.bridge = self._select_bridge(bridge_for(AutoConfig.from_pretrained(self.model_path),
+                                                     backend=self.bridge_backend))
         dtype = getattr(torch, self.cfg.params_dtype)
         overrides = {
             **fusion_fields(self.bridge.config_fields(), self.compiled_kernels),
@@ -138,13 +139,19 @@ class MegatronEngine(BaseEngine):
         self.tf_config = self.bridge.transformer_config(**fields)
         chunks = build_chunks(self.tf_config, self.bridge.model_kwargs())
         compile_norms(chunks, self.compiled_kernels)
-        self.bridge.load_hf(chunks, self.model_path)
         self._prepare_chunks(chunks)
+        self.bridge.load_hf(chunks, self.model_path)
         if self.lora is not None:
             from mrl.engine.megatron import lora
 
             # Before DDP and the optimizer: both skip requires_grad=False parameters (no grad buffer, no state).
             self.adapters = lora.apply(chunks, self.lora)
+        if self.optim_cfg is None:
+            # A forward-only engine (the reference) never runs a backward. DDP allocates its fp32 gradient buffer
+            # for the parameters that require grad only, so frozen ones leave it empty (else ≈16 GB per GPU for an
+            # 8B reference at TP 2); the schedule's forward_only path needs the DDP wrapper, not its buffers.
+            for chunk in chunks:
+                chunk.requires_grad_(False)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
@@ -169,8 +176,12 @@ class MegatronEngine(BaseEngine):
         # Keyed by the DDP chunk the schedule hands forward_step.
         self._replays = {id(ddp): replays for ddp, replays in zip(self.model, routing.install(chunks, self.moe_layers))}
 
+    def _select_bridge(self, bridge: Any) -> Any:
+        """Hook: the bridge whose table builds and fills the chunks (the critic's drops the vocabulary head)."""
+        return bridge
+
     def _prepare_chunks(self, chunks: list[torch.nn.Module]) -> None:
-        """Hook between weight import and DDP wrapping (the critic adds its value head here)."""
+        """Hook between building the chunks and importing the weights (the critic swaps in its value head)."""
 
     def _recompute_fields(self) -> dict[str, Any]:
         if not self.cfg.recompute_granularity:
@@ -361,6 +372,8 @@ class MegatronEngine(BaseEngine):
     def forward_backward(self, batch: JaggedBatch, loss_fn: LossFn) -> dict[str, float]:
         from megatron.core import parallel_state
 
+        if self.optimizer is None:
+            raise RuntimeError("forward_backward: this engine is forward-only (optim=None): it has no gradients")
         for chunk in self.model:
             chunk.train()
         mbs = self.micro_batches(batch)
