@@ -421,8 +421,12 @@ class RewardConfig:
     reward_fn: str = "auto"
     # Concurrent reward evaluations.
     num_workers: int = 4
-    # Per-item reward timeout; a timed-out item scores 0.
+    # Per-item reward timeout; a timed-out item scores 0 and counts as an error.
     timeout_s: float = 10.0
+    # Share of one step's reward calls of a data source that may fail (an exception, a timeout, a non-finite
+    # score: each scores 0) before the run stops with the first error's text; metrics reward/<data_source>/
+    # error_rate (calls since the previous step, validation's included). 1.0: never stop; 0.0: stop at any error.
+    max_error_rate: float = 0.1
 
 
 @dataclass

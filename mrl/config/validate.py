@@ -738,5 +738,5 @@ def _lora_sync(cfg: DictConfig, _: bool) -> Iterator[Violation]:
                                        "node and read by every server: one node only; use sync=merged")
 
 
-# Rules on single fields, keys and what lies beside the config register themselves on import.
-from mrl.config import field_rules  # noqa: E402, F401
+# Rules on single fields, keys and what lies beside the config, and on the reward, register themselves on import.
+from mrl.config import field_rules, reward_rules  # noqa: E402, F401

@@ -1,4 +1,5 @@
-"""Reward functions keyed by `data_source`, with a default for sources nobody registered.
+"""Reward functions keyed by `data_source`; rows without a data_source use "default" (math answers). A source that
+nobody registered is refused: scoring it with another task's rule would give a run of silent zeros.
 
 A reward function is `fn(solution_str, ground_truth, extra_info) -> float` (module-level, so a process pool can
 pickle it by reference). `resolve_reward_fn` also accepts "package.module:function" for a user's own function,
@@ -15,7 +16,11 @@ from mrl.reward.math_answer import extract_answer, extract_gsm8k, last_boxed, ma
 
 RewardFn = Callable[[str, Any, Mapping[str, Any] | None], float]
 
-REWARD_FNS: Registry[RewardFn] = Registry("reward function (data_source)", default="default")
+REWARD_FNS: Registry[RewardFn] = Registry("reward function (data_source)")
+
+
+class UnknownDataSource(ValueError):
+    """A data_source with no registered reward function (and no reward.reward_fn for every row)."""
 
 
 def _score(correct: bool) -> float:
@@ -61,11 +66,15 @@ def think_math_reward(solution_str: str, ground_truth: Any, extra_info: Mapping[
 
 def resolve_reward_fn(spec: str | None) -> RewardFn:
     """ "module:function" imports a user's function; anything else is a data_source looked up in the registry
-    (unknown sources get the default)."""
+    (None or empty: "default"); an unknown one raises `UnknownDataSource` naming the known ones."""
     if spec is not None and ":" in spec and not spec.startswith(("http:", "https:")):
         module_name, _, attr = spec.partition(":")
         try:
             return getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as err:
             raise ValueError(f"custom reward function '{spec}' cannot be loaded: {err}") from err
-    return REWARD_FNS.get(spec)
+    source = spec or "default"
+    if source not in REWARD_FNS:
+        raise UnknownDataSource(f"data_source {source!r} has no reward function (known: {', '.join(REWARD_FNS)}); "
+                                "register one with mrl.reward.registry.REWARD_FNS.register or set reward.reward_fn")
+    return REWARD_FNS.get(source)

@@ -13,6 +13,9 @@ Metric names:
   peak CUDA memory allocated, or the peak resident set size, during a worker phase.
 - `staleness/mean`, `staleness/max`: trainer version − the oldest weight version of a trajectory's tokens (0 in sync
   mode).
+- `reward/<data_source>/error_rate`: the share of reward calls for that source since the previous step that failed
+  (exception, timeout, non-finite score; each scored 0); past `reward.max_error_rate` the run stops
+  (mrl/reward/errors.py).
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from mrl.data.datasets import RLDataset
 from mrl.data.replay_buffer import ReplayBuffer, pad_with_noops
 from mrl.data.sample_store import SampleStore
 from mrl.data.samples import light_batch
+from mrl.reward.errors import RewardErrors
 from mrl.reward.evaluator import RewardEvaluator, RewardItem
 from mrl.rollout.device_sync import device_sync_metrics
 from mrl.trainer import batching, checkpointing
@@ -93,6 +94,7 @@ class PPOTrainer:
         self.handover_memory: dict[str, float] = {}  # device memory at each hybrid hand-over (GiB in use)
         self.sync_metrics: dict[str, float] = {}  # bytes the last weight sync moved (per device, sliced / whole)
         self.old_log_prob_share = 1.0  # of the batch's rows the last old log-prob pass computed (MFU)
+        self.reward_errors = RewardErrors(config.reward.max_error_rate)
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def fit(self) -> list[dict[str, Any]]:
@@ -111,6 +113,7 @@ class PPOTrainer:
         with t("gen"):
             self.on_sample_begin()
             trajectories = self.sample()  # stage 1 + 2: rollout, then reward (timed inside as "reward")
+        reward_errors = self.reward_errors.take()  # past reward.max_error_rate the run stops here, before training
         self.on_sample_end()  # hybrid: the devices go to the trainer (timed as handover/*)
         batch = self.to_training_batch(trajectories)  # store keys + scalar columns
         with t("balance"):
@@ -143,6 +146,7 @@ class PPOTrainer:
         with t("update_weights"):
             self.sync_weights()
         metrics = self.step_metrics(trajectories, actor_out, mismatch)
+        metrics.update(reward_errors)
         metrics.update(self.take_handover_memory())
         metrics.update(self.sync_metrics)
         if self.parts.critic is not None:
@@ -244,7 +248,9 @@ class PPOTrainer:
             traj.update(uid=prompt["uid"], messages=prompt["messages"], ground_truth=prompt["ground_truth"])
             extra = {**prompt["extra_info"], **traj.get("reward_info", {})}  # a custom loop's reward inputs
             items.append(RewardItem(traj["response_text"], prompt["ground_truth"], prompt["data_source"], extra))
-        for traj, result in zip(trajectories, self.parts.reward.evaluate_sync(items)):
+        results = self.parts.reward.evaluate_sync(items)
+        self.reward_errors.record(items, results)  # failures score 0: counted per data source, not dropped
+        for traj, result in zip(trajectories, results):
             traj["score"] = result.score
 
     def to_training_batch(self, trajectories: list[dict[str, Any]]) -> Batch:
