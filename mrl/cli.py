@@ -6,7 +6,8 @@ out of `mrl --help` rather than failing every other command.
 
 Errors speak one style in every command: a user's mistake (a `ConfigError`: a setting, a recipe, a path) prints
 `mrl: <setting>=<value>: <rule>` lines and exits 2, without a traceback (`MRL_DEBUG=1` re-raises it). Third-party
-warnings fold into one summary line unless `--verbose` is given.
+warnings fold into one summary line unless `--verbose` is given, which also streams the Ray workers' and rollout
+engines' output to the console (`args.verbose`, read by `mrl train` and `mrl demo`).
 """
 
 import argparse
@@ -53,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     verbose = any(a in VERBOSE_FLAGS for a in argv)
     argv = [a for a in argv if a not in VERBOSE_FLAGS]  # accepted anywhere on the line
     parser = argparse.ArgumentParser(prog="mrl", description="Megatron-native RL post-training")
-    parser.add_argument("--verbose", "-v", action="store_true", help="show third-party warnings in full")
+    parser.add_argument("--verbose", "-v", action="store_true",
+                        help="show third-party warnings in full and stream every worker's output to the console")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # Import only the chosen subcommand's module: several of them import torch or megatron.core.
     chosen = next((a for a in argv if not a.startswith("-")), None)
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             module.add_arguments(p)
             p.set_defaults(_mrl_run=module.run)
     args = parser.parse_args(argv)
+    args.verbose = verbose  # taken off argv above, so that it may stand anywhere on the line
     try:
         return args._mrl_run(args)
     except Exception as err:

@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         fill_defaults(args, REVERSE_DEFAULTS)
         paths = prepare(out, args.length, args.warmup_steps, args.seed)
     print("warm-up:", json.dumps(paths["warmup"]), flush=True)
-    init_ray(num_cpus=args.num_cpus)
+    init_ray(num_cpus=args.num_cpus, verbose=getattr(args, "verbose", False))
     summary: dict[str, Any] = {"warmup": paths["warmup"], "runs": {}}
     for label, lr in [("grpo", args.lr)] + ([("control_lr0", 0.0)] if args.control else []):
         run_start = time.monotonic()

@@ -30,6 +30,7 @@ RANGES: tuple[tuple[str, float | None, float | None, bool, bool], ...] = (
     ("trainer.rollout_dump_per_step", 0, None, True, False),
     ("trainer.max_checkpoints_to_keep", 1, None, True, False),
     ("trainer.time_limit_s", 0.0, None, False, False),
+    ("reward.max_error_rate", 0.0, 1.0, True, True),
     *((f"{role}.megatron.{key}", 1, None, True, False) for role in ENGINE_ROLES
       for key in ("virtual_pipeline_model_parallel_size", "expert_tensor_parallel_size")),
 )

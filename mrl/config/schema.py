@@ -85,7 +85,8 @@ class MegatronConfig:
     pipeline_model_parallel_size: int = 1
     # Model chunks per pipeline stage for the interleaved schedule (needs PP > 1).
     virtual_pipeline_model_parallel_size: int | None = None
-    # Context parallel size (CP): needs TransformerEngine; refused at start-up without it.
+    # Context parallel size (CP): not built yet, so above 1 it is refused at start-up (without TransformerEngine
+    # it cannot run; with it, packing does not split sequences over CP ranks and losses are scaled over DP only).
     context_parallel_size: int = 1
     # Expert parallel size (EP): MoE experts split over EP ranks.
     expert_model_parallel_size: int = 1
@@ -97,7 +98,8 @@ class MegatronConfig:
     use_distributed_optimizer: bool = True
     # Activation recomputation: None, 'full' or 'selective'.
     recompute_granularity: str | None = None
-    # Parameter dtype of the engine: float32, bfloat16 or float16.
+    # Parameter dtype of the engine: float32, bfloat16 or float16; the rollout engine's too unless rollout.dtype is
+    # set (verl's default is bf16: "Defaults that differ from verl" below).
     params_dtype: str = "float32"
     # GiB per rank the log-prob path may spend keeping a micro-batch's logits (parameter dtype) for the backward
     # pass; a larger micro-batch recomputes the vocabulary projection there instead; 0 always recomputes.
@@ -193,7 +195,8 @@ class ActorConfig:
     # with: take its π_old from its own forward and skip its rows in the old log-prob pass (1/updates of the pass;
     # not with KL in reward, which reads π_old first). false: π_old of every row from the old log-prob pass.
     on_policy_first_update: bool = True
-    # Policy loss: ppo_clip (dual clip), gspo or cispo.
+    # Policy loss: ppo_clip (dual clip), gspo or cispo (gspo keeps loss_agg_mode and the clip ratios as set: see
+    # "Defaults that differ from verl" below).
     policy_loss: str = "ppo_clip"
     # Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm.
     loss_agg_mode: str = "token-mean"
@@ -429,8 +432,12 @@ class RewardConfig:
     reward_fn: str = "auto"
     # Concurrent reward evaluations.
     num_workers: int = 4
-    # Per-item reward timeout; a timed-out item scores 0.
+    # Per-item reward timeout; a timed-out item scores 0 and counts as an error.
     timeout_s: float = 10.0
+    # Share of one step's reward calls of a data source that may fail (an exception, a timeout, a non-finite
+    # score: each scores 0) before the run stops with the first error's text; metrics reward/<data_source>/
+    # error_rate (calls since the previous step, validation's included). 1.0: never stop; 0.0: stop at any error.
+    max_error_rate: float = 0.1
 
 
 @dataclass

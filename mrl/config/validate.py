@@ -9,7 +9,6 @@ each violation as one `mrl: <setting>=<value>: <rule>` line (`ConfigError.lines`
 """
 
 import contextvars
-import importlib.util
 import json
 import os
 import re
@@ -142,7 +141,6 @@ def trainer_world_size(cfg: DictConfig) -> int:
 @rule
 def _megatron_layout(cfg: DictConfig, _: bool) -> Iterator[Violation]:
     world = trainer_world_size(cfg)
-    te_available = importlib.util.find_spec("transformer_engine") is not None
     for role in ENGINE_ROLES:
         m = f"{role}.megatron"
         tp, pp, cp, ep = (_get(cfg, f"{m}.{key}") for key in PARALLEL_SIZES)
@@ -161,9 +159,7 @@ def _megatron_layout(cfg: DictConfig, _: bool) -> Iterator[Violation]:
         if vpp is not None and vpp > 1 and pp == 1:
             yield Violation(f"{m}.virtual_pipeline_model_parallel_size", vpp,
                             "virtual pipeline stages need pipeline_model_parallel_size > 1")
-        if cp > 1 and not te_available:
-            yield Violation(f"{m}.context_parallel_size", cp,
-                            "context parallel needs TransformerEngine, which is not importable here; set it to 1")
+    # context parallel: mrl/config/backend_rules.py (refused with and without TransformerEngine)
 
 
 @rule
@@ -742,5 +738,6 @@ def _lora_sync(cfg: DictConfig, _: bool) -> Iterator[Violation]:
                                        "node and read by every server: one node only; use sync=merged")
 
 
-# Rules on single fields, keys and what lies beside the config register themselves on import.
-from mrl.config import field_rules  # noqa: E402, F401
+# Rules on single fields, keys and what lies beside the config, on the reward and on what the backends can run
+# register themselves on import.
+from mrl.config import backend_rules, field_rules, reward_rules  # noqa: E402, F401

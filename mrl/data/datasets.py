@@ -84,6 +84,18 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     raise ValueError(f"{path}: unsupported dataset format (use .parquet, .jsonl or .json)")
 
 
+def data_sources(path: str | Path) -> set[str]:
+    """The data_source values of a dataset file as the trainer reads them (a row without one: "default"); a
+    parquet file's column alone is read. Malformed rows are skipped here as RLDataset skips them."""
+    if Path(path).suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        if "data_source" not in pq.read_schema(path).names:
+            return {"default"}
+        return {s or "default" for s in pq.read_table(path, columns=["data_source"]).column(0).to_pylist()}
+    return {row.get("data_source") or "default" for row in read_rows(path) if isinstance(row, dict)}
+
+
 def _json_line(line: str) -> Any:
     """A JSONL line; one that is not JSON becomes a marker row that RLDataset counts and skips."""
     try:

@@ -1,8 +1,11 @@
-"""Batched, concurrent reward evaluation that never raises and never blocks on one bad item.
+"""Batched, concurrent reward evaluation that never raises on one bad item and never blocks on it.
 
 Each item is scored by the function registered for its `data_source` (or one function for all), in a thread or
 process pool, at most `max_workers` at a time. Any failure (exception, non-numeric or non-finite score, pickling
-error, timeout) scores 0.0 and is reported in `RewardResult.error`. The timeout of an item counts from the moment
+error, timeout) scores 0.0 and is reported in `RewardResult.error`, which the trainer counts per data source
+(mrl/reward/errors.py). A data_source without a registered function is a configuration error, not an item's:
+`evaluate` raises it before scoring anything (the start-up rules refuse it first where the data files are read).
+The timeout of an item counts from the moment
 it starts running, not from submission, so a large batch does not time out in the queue.
 
 A call that times out cannot be interrupted from outside: the evaluator then swaps in a fresh pool so the stuck
@@ -119,11 +122,7 @@ class RewardEvaluator:
     def _fn_for(self, item: RewardItem) -> RewardFn:
         return self._fixed_fn if self._fixed_fn is not None else resolve_reward_fn(item.data_source)
 
-    async def _score_one(self, item: RewardItem, slots: asyncio.Semaphore) -> RewardResult:
-        try:
-            fn = self._fn_for(item)
-        except Exception as err:
-            return RewardResult(0.0, f"{type(err).__name__}: {err}")
+    async def _score_one(self, fn: RewardFn, item: RewardItem, slots: asyncio.Semaphore) -> RewardResult:
         loop = asyncio.get_running_loop()
         async with slots:
             for _ in range(2):
@@ -143,9 +142,11 @@ class RewardEvaluator:
             return RewardResult(0.0, "reward worker pool failed twice")
 
     async def evaluate(self, items: Sequence[RewardItem]) -> list[RewardResult]:
-        """Score every item concurrently (at most max_workers running); results in input order."""
+        """Score every item concurrently (at most max_workers running); results in input order. Raises
+        `UnknownDataSource` when an item's data_source has no reward function."""
+        fns = [self._fn_for(item) for item in items]
         slots = asyncio.Semaphore(self.max_workers)
-        return list(await asyncio.gather(*(self._score_one(item, slots) for item in items)))
+        return list(await asyncio.gather(*(self._score_one(fn, item, slots) for fn, item in zip(fns, items))))
 
     def submit(self, items: Sequence[RewardItem]) -> "Future[list[RewardResult]]":
         """Start evaluating in the background and return at once; `.result()` blocks for the scores."""

@@ -1,4 +1,5 @@
-"""Reward functions keyed by `data_source`, with a default for sources nobody registered.
+"""Reward functions keyed by `data_source`; rows without a data_source use "default" (math answers). A source that
+nobody registered is refused: scoring it with another task's rule would give a run of silent zeros.
 
 A reward function is `fn(solution_str, ground_truth, extra_info) -> float` (module-level, so a process pool can
 pickle it by reference). `resolve_reward_fn` also accepts "package.module:function" for a user's own function,
@@ -10,12 +11,17 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from mrl.algo.registry import Registry
+from mrl.data import chain_reward
 from mrl.reward.format_check import split_think
 from mrl.reward.math_answer import extract_answer, extract_gsm8k, last_boxed, matches_any
 
 RewardFn = Callable[[str, Any, Mapping[str, Any] | None], float]
 
-REWARD_FNS: Registry[RewardFn] = Registry("reward function (data_source)", default="default")
+REWARD_FNS: Registry[RewardFn] = Registry("reward function (data_source)")
+
+
+class UnknownDataSource(ValueError):
+    """A data_source with no registered reward function (and no reward.reward_fn for every row)."""
 
 
 def _score(correct: bool) -> float:
@@ -46,6 +52,10 @@ def exact_match_reward(solution_str: str, ground_truth: Any, extra_info: Mapping
     return 1.0 if solution_str.strip() == str(ground_truth).strip() else 0.0
 
 
+# The GPU learning task's reward (mrl/data/chain_task.py); its module has no mrl imports so the task travels.
+REWARD_FNS.register(chain_reward.DATA_SOURCE)(chain_reward.score)
+
+
 @REWARD_FNS.register("think_format")
 def think_format_reward(solution_str: str, ground_truth: Any, extra_info: Mapping[str, Any] | None = None) -> float:
     """1 if the response is one `<think>…</think>` block followed by an answer, else 0 (ground truth unused)."""
@@ -61,11 +71,15 @@ def think_math_reward(solution_str: str, ground_truth: Any, extra_info: Mapping[
 
 def resolve_reward_fn(spec: str | None) -> RewardFn:
     """ "module:function" imports a user's function; anything else is a data_source looked up in the registry
-    (unknown sources get the default)."""
+    (None or empty: "default"); an unknown one raises `UnknownDataSource` naming the known ones."""
     if spec is not None and ":" in spec and not spec.startswith(("http:", "https:")):
         module_name, _, attr = spec.partition(":")
         try:
             return getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as err:
             raise ValueError(f"custom reward function '{spec}' cannot be loaded: {err}") from err
-    return REWARD_FNS.get(spec)
+    source = spec or "default"
+    if source not in REWARD_FNS:
+        raise UnknownDataSource(f"data_source {source!r} has no reward function (known: {', '.join(REWARD_FNS)}); "
+                                "register one with mrl.reward.registry.REWARD_FNS.register or set reward.reward_fn")
+    return REWARD_FNS.get(source)

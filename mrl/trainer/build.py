@@ -24,6 +24,7 @@ from mrl.rollout.replica import Footprint, ReplicaSpec
 from mrl.trainer.metrics import RunLogger
 from mrl.trainer.modes import trainer_class
 from mrl.trainer.ppo_trainer import PPOTrainer, TrainerParts
+from mrl.utils.process_logs import describe_process_logs
 from mrl.workers.actor_rollout_ref import ActorRolloutRefWorker
 from mrl.workers.cpu_threads import engine_env
 from mrl.workers.critic import CriticWorker
@@ -168,6 +169,8 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
             if group is not None:
                 group.set_store(agent_loops.store)
         undo.pop_all()  # started: from here `shutdown` owns them
+    for line in describe_process_logs(log_sources(actor_rollout, critic, rollout, agent_loops, c.rollout.name)):
+        print(line, flush=True)
     parts = TrainerParts(
         actor_rollout=actor_rollout,
         rollout=rollout,
@@ -182,6 +185,18 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
     parts.pool = pool  # type: ignore[attr-defined]
     progress(f"agent loops ready ({c.rollout.agent_loop_workers} worker(s)); training starts")
     return trainer_class(c.trainer.mode)(c, parts, logger or make_run_logger(c))
+
+
+def log_sources(actor_rollout: Any, critic: Any, rollout: Any, agent_loops: Any, backend: str) -> list[tuple[str, Any]]:
+    """(name, Ray actor) of every process the run started: training workers, each rollout replica's server (a PD
+    replica's members), agent-loop workers."""
+    named = [(f"training worker {i}", w) for i, w in enumerate(actor_rollout.workers)]
+    named += [(f"critic worker {i}", w) for i, w in enumerate(critic.workers if critic is not None else [])]
+    for rank, replica in sorted(rollout.replicas.items()):
+        members = getattr(replica, "members", None) or {"": replica.server}
+        named += [(f"rollout replica {rank}{' ' + role if role else ''} ({backend} server and its engine)", actor)
+                  for role, actor in members.items()]
+    return named + [(f"agent-loop worker {i}", w) for i, w in enumerate(agent_loops.workers)]
 
 
 def shutdown(trainer: PPOTrainer) -> None:

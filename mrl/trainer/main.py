@@ -23,19 +23,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of a locally started Ray")
 
 
-def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+def init_ray(address: str | None = None, num_cpus: int | None = None, verbose: bool = False) -> None:
+    """Start (or join) Ray. `verbose` (`mrl train --verbose`): every worker's output is streamed to this console
+    (Ray's log_to_driver); otherwise it stays in the files the start-up names (mrl/utils/process_logs.py)."""
     import ray
 
     if ray.is_initialized():
         return
     if address:
-        ray.init(address=address)
+        ray.init(address=address, log_to_driver=verbose)
         return
     from mrl.utils.noise import quiet
 
     env = {**RAY_ENV, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=verbose, _node_ip_address="127.0.0.1",
              runtime_env={"env_vars": env}, logging_level=logging.ERROR if quiet() else logging.INFO)
+
+
+def logs_line(verbose: bool) -> str:
+    """Where the workers' output goes: streamed here (--verbose) or only to the Ray session's files."""
+    from mrl.utils.process_logs import VERBOSE_HINT, ray_logs_dir
+
+    where = ray_logs_dir() or "the Ray session's logs folder"
+    return f"process logs in {where}; " + ("streamed to this console (--verbose)" if verbose else VERBOSE_HINT)
 
 
 def _duration(seconds: float) -> str:
@@ -63,8 +73,8 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.recipe, list(args.overrides))
     start = time.monotonic()
-    init_ray(args.ray_address, args.num_cpus)
-    print(f"[mrl] Ray ready ({time.monotonic() - start:.1f} s)", flush=True)
+    init_ray(args.ray_address, args.num_cpus, verbose=args.verbose)
+    print(f"[mrl] Ray ready ({time.monotonic() - start:.1f} s); {logs_line(args.verbose)}", flush=True)
     trainer = build_trainer(cfg)
     try:
         trainer.fit()

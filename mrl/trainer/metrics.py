@@ -15,6 +15,9 @@ Metric names:
   `data.max_sample_rounds` rounds (mrl/trainer/ppo_trainer.py `skip_step`), else 0.
 - `staleness/mean`, `staleness/max`: trainer version − the oldest weight version of a trajectory's tokens (0 in sync
   mode).
+- `reward/<data_source>/error_rate`: the share of reward calls for that source since the previous step that failed
+  (exception, timeout, non-finite score; each scored 0); past `reward.max_error_rate` the run stops
+  (mrl/reward/errors.py).
 """
 
 from __future__ import annotations

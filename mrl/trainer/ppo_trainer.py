@@ -29,6 +29,7 @@ from mrl.data.datasets import RLDataset
 from mrl.data.replay_buffer import ReplayBuffer, pad_with_noops
 from mrl.data.sample_store import SampleStore
 from mrl.data.samples import light_batch, put_noop_payloads
+from mrl.reward.errors import RewardErrors
 from mrl.reward.evaluator import RewardEvaluator, RewardItem
 from mrl.rollout.device_sync import device_sync_metrics
 from mrl.trainer import batching, checkpointing
@@ -94,6 +95,7 @@ class PPOTrainer:
         self.sync_metrics: dict[str, float] = {}  # bytes the last weight sync moved (per device, sliced / whole)
         self.old_log_prob_share = 1.0  # of the batch's rows the last old log-prob pass computed (MFU)
         self.fit_start = time.monotonic()  # trainer.time_limit_s counts from here (reset by fit)
+        self.reward_errors = RewardErrors(config.reward.max_error_rate)
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def fit(self) -> list[dict[str, Any]]:
@@ -116,9 +118,10 @@ class PPOTrainer:
         with t("gen"):
             self.on_sample_begin()
             trajectories = self.sample()  # stage 1 + 2: rollout, then reward (timed inside as "reward")
+        reward_errors = self.reward_errors.take()  # past reward.max_error_rate the run stops here, before training
         self.on_sample_end()  # hybrid: the devices go to the trainer (timed as handover/*)
         if not trajectories:
-            return self.skip_step(step_start)
+            return self.skip_step(step_start, reward_errors)
         batch = self.to_training_batch(trajectories)  # store keys + scalar columns
         with t("balance"):
             batch = self.balance(batch)
@@ -144,12 +147,12 @@ class PPOTrainer:
         if self.updates_all_skipped:
             print(f"[mrl] step {self.global_steps}: every actor update was skipped (NaN/Inf loss or gradients); "
                   "the rollout keeps the last good weights", flush=True)
-        metrics = self.step_metrics(trajectories, actor_out, mismatch)
+        metrics = {**self.step_metrics(trajectories, actor_out, mismatch), **reward_errors}
         if self.parts.critic is not None:
             metrics.update(mean_over_updates(critic_out))
         return self.end_step(metrics, step_start, batch)
 
-    def skip_step(self, step_start: float) -> dict[str, Any]:
+    def skip_step(self, step_start: float, reward_errors: dict[str, float]) -> dict[str, Any]:
         """A step without samples: dynamic sampling evicted every group of its `data.max_sample_rounds` rounds (all
         rewards equal: no gradient anywhere). It trains nothing and says so (`train/skipped_step`, a warning), yet
         counts, so a run on prompts it already solves ends after total_training_steps instead of looping. verl
@@ -160,7 +163,8 @@ class PPOTrainer:
         print(f"[mrl] step {self.global_steps}: dynamic sampling kept no prompt group in "
               f"{self.config.data.max_sample_rounds} generation rounds (every group's rewards were equal); the step "
               "trains nothing", flush=True)
-        return self.end_step({"train/skipped_step": 1.0, "buffer/evicted_groups": self.buffer.evicted}, step_start)
+        return self.end_step({"train/skipped_step": 1.0, "buffer/evicted_groups": self.buffer.evicted,
+                              **reward_errors}, step_start)
 
     def end_step(self, metrics: dict[str, Any], step_start: float, batch: Batch | None = None) -> dict[str, Any]:
         """What ends every step, trained or skipped: a checkpoint when due, the weight sync (replicas that slept get
@@ -272,7 +276,9 @@ class PPOTrainer:
             traj.update(uid=prompt["uid"], messages=prompt["messages"], ground_truth=prompt["ground_truth"])
             extra = {**prompt["extra_info"], **traj.get("reward_info", {})}  # a custom loop's reward inputs
             items.append(RewardItem(traj["response_text"], prompt["ground_truth"], prompt["data_source"], extra))
-        for traj, result in zip(trajectories, self.parts.reward.evaluate_sync(items)):
+        results = self.parts.reward.evaluate_sync(items)
+        self.reward_errors.record(items, results)  # failures score 0: counted per data source, not dropped
+        for traj, result in zip(trajectories, results):
             traj["score"] = result.score
 
     def to_training_batch(self, trajectories: list[dict[str, Any]]) -> Batch:

@@ -97,6 +97,20 @@ TINY = [
      "rollout.gpu_memory_utilization fills this engine argument"),
     (["rollout.name=sglang", "+rollout.engine_kwargs.extra_args=['--mem-fraction-static','0.4']"],
      "rollout.engine_kwargs.mem_fraction_static", "rollout.gpu_memory_utilization fills this engine argument"),
+    # what the rollout backends can run as placed (each failed at the first sleep or weight sync)
+    (["rollout.name=sglang", "rollout.sleep_level=1"], "rollout.sleep_level", "without --enable-weights-cpu-backup"),
+    (["rollout.name=trtllm", "rollout.sleep_level=1"], "rollout.sleep_level", "come back with undefined content"),
+    (["rollout.name=sglang", "resources.n_gpus_per_node=2", "rollout.tensor_model_parallel_size=2"],
+     "rollout.tensor_model_parallel_size", "a sglang replica's server holds one device slot"),
+    (["rollout.name=trtllm", "resources.n_gpus_per_node=2", "rollout.tensor_model_parallel_size=2"],
+     "rollout.tensor_model_parallel_size", "a trtllm replica's server holds one device slot"),
+    (["rollout.name=trtllm", "resources.n_gpus_per_node=2", "rollout.pipeline_model_parallel_size=2"],
+     "rollout.pipeline_model_parallel_size", "a trtllm replica's server holds one device slot"),
+    # the reward: a function that loads, a data_source with a function (once scored as math), its error budget
+    (["reward.reward_fn=gsm8kk"], "reward.reward_fn", "data_source 'gsm8kk' has no reward function"),
+    (["reward.reward_fn=no.such.module:fn"], "reward.reward_fn", "cannot be loaded"),
+    (["data.train_files=[{unknown_source}]"], "data.train_files", "data_source 'my/task' has no reward function"),
+    (["reward.max_error_rate=1.5"], "reward.max_error_rate", "must be in [0, 1]"),
     # optimizer fields and their shapes
     (["actor.optim.betas=[0.9]"], "actor.optim.betas", "two numbers"),
     (["critic.optim.betas=[0.9,0.99,0.999]"], "critic.optim.betas", "two numbers"),
@@ -210,10 +224,12 @@ def paths(tmp_path_factory) -> dict[str, str]:
         (root / model).mkdir()
         shutil.copy(next(RECIPES_DIR.glob(f"*/models/{model}.json")), root / model / "config.json")
     (root / "train.jsonl").write_text('{"prompt": [{"role": "user", "content": "hi"}]}\n' * 16)  # one batch
+    (root / "unknown_source.jsonl").write_text('{"prompt": "hi", "data_source": "my/task"}\n' * 16)
     (root / "prompts.jsonl").write_text('{"prompt": "hi"}\n' * 512)  # a family recipe's batch
     (root / "train.txt").write_text("hi\n")
     (root / "typo.yaml").write_text(RECIPE_FILE)
-    out.update(train=str(root / "train.jsonl"), prompts=str(root / "prompts.jsonl"), text=str(root / "train.txt"),
+    out.update(train=str(root / "train.jsonl"), unknown_source=str(root / "unknown_source.jsonl"),
+               prompts=str(root / "prompts.jsonl"), text=str(root / "train.txt"),
                typo=str(root / "typo.yaml"),
                root=str(root))
     return out
@@ -257,6 +273,29 @@ CASES = [("tiny/grpo", BASE, o, s, r, False) for o, s, r in INVALID] + [
                          ids=[f"{c[0]}:{c[3]}:{i}" for i, c in enumerate(CASES)])
 def test_each_invalid_setting_is_one_line_and_exit_2_before_any_process(paths, no_ray, capsys, recipe, base,
                                                                         overrides, setting, rule, alone):
+    _refused_in_one_line(paths, capsys, recipe, base, overrides, setting, rule, alone)
+
+
+# (overrides, setting, rule) on tiny/grpo with BASE where TransformerEngine is importable (faked: it is not
+# installed on the CPU machines), so the engines would build TE layers.
+WITH_TE = [
+    (["resources.n_gpus_per_node=2", "actor.megatron.context_parallel_size=2"], "actor.megatron.context_parallel_size",
+     "context parallel is not built yet"),
+    (["actor.lora.enable=true"], "actor.lora.enable", "which LoRA does not wrap yet"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "setting", "rule"), WITH_TE, ids=[c[1] for c in WITH_TE])
+def test_each_setting_te_layers_cannot_run_is_refused_before_any_process(paths, no_ray, capsys, monkeypatch,
+                                                                         overrides, setting, rule):
+    from mrl.config import backend_rules
+
+    monkeypatch.setattr(backend_rules, "transformer_engine_importable", lambda: True)
+    _refused_in_one_line(paths, capsys, "tiny/grpo", BASE, overrides, setting, rule, True)
+
+
+def _refused_in_one_line(paths: dict[str, str], capsys: pytest.CaptureFixture, recipe: str, base: list[str],
+                         overrides: list[str], setting: str, rule: str, alone: bool) -> None:
     given = [o.format(**paths) for o in _with_base(base, overrides)]
     code = cli.main(["train", recipe.format(**paths), *given])
     captured = capsys.readouterr()

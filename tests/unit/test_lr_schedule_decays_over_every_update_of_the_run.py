@@ -21,6 +21,10 @@ class RecordsTotalSteps:
     def __init__(self, *args, total_steps: int = 1, **kwargs) -> None:
         self.total_steps = total_steps
 
+    @classmethod
+    def from_critic_config(cls, *args, total_steps: int = 1, **kwargs) -> "RecordsTotalSteps":
+        return cls(total_steps=total_steps)
+
     def initialize(self) -> None:
         pass
 
@@ -43,7 +47,7 @@ def test_actor_schedule_spans_every_update_of_every_epoch(monkeypatch, epochs):
 
 
 def test_critic_schedule_spans_its_updates(monkeypatch):
-    monkeypatch.setattr(critic_module, "MegatronValueEngine", RecordsTotalSteps)
+    monkeypatch.setattr(critic_module, "MegatronCritic", RecordsTotalSteps)
     worker = SimpleNamespace(config=config(3), register_mesh=lambda *a: None)
     CriticWorker.init_model(worker)
     assert worker.critic.engine.total_steps == 5 * (8 // 4)  # one pass per step, whatever the actor's epochs

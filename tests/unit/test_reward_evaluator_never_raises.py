@@ -33,7 +33,7 @@ def test_scores_by_data_source_and_malformed_items_score_zero():
     items = [
         RewardItem("#### 72", "72", "openai/gsm8k"),
         RewardItem("the answer is 72", "72", "openai/gsm8k"),
-        RewardItem("the answer is 72", "72", "unknown/source"),
+        RewardItem("the answer is 72", "72", "default"),
         RewardItem(None, "72"),
         RewardItem(12345, "72"),
         RewardItem("\\boxed{1/2}", {"weird": "truth"}),

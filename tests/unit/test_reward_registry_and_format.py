@@ -1,10 +1,12 @@
-"""Reward functions chosen by data_source (default for unknown ones), custom functions by path, format checks."""
+"""Reward functions chosen by data_source ("default" for rows without one, unknown ones refused), custom functions
+by path, format checks."""
 
 import pytest
 
 from mrl.reward.format_check import has_think_format, split_think
 from mrl.reward.registry import (
     REWARD_FNS,
+    UnknownDataSource,
     boxed_math_reward,
     gsm8k_reward,
     math_answer_reward,
@@ -36,11 +38,12 @@ def test_split_think_returns_the_parts():
     assert split_think("<think> a b </think>\n answer ") == ("a b", "answer")
 
 
-def test_registry_picks_by_data_source_with_a_default():
+def test_registry_picks_by_data_source_and_refuses_unknown_ones():
     assert REWARD_FNS.get("openai/gsm8k") is gsm8k_reward
     assert REWARD_FNS.get("lighteval/MATH") is boxed_math_reward
-    assert REWARD_FNS.get("my/unregistered-source") is math_answer_reward
-    assert REWARD_FNS.get(None) is math_answer_reward
+    assert resolve_reward_fn(None) is resolve_reward_fn("default") is math_answer_reward  # rows without a source
+    with pytest.raises(UnknownDataSource, match="'my/unregistered-source' has no reward function"):
+        resolve_reward_fn("my/unregistered-source")  # once scored as math: a silent run of zeros
     assert resolve_reward_fn("mrl.reward.registry:think_format_reward") is think_format_reward
     with pytest.raises(ValueError, match="cannot be loaded"):
         resolve_reward_fn("mrl.reward.registry:no_such_function")
