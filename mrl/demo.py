@@ -75,7 +75,7 @@ def prepare(out: Path, length: int, warmup_steps: int, seed: int) -> dict[str, A
 
 def grpo(label: str, paths: dict[str, Any], args: argparse.Namespace, lr: float | None) -> list[dict[str, Any]]:
     from mrl.config.loader import load_config
-    from mrl.trainer.build import build_trainer, shutdown
+    from mrl.trainer.build import train
 
     overrides = [
         f"model.path={paths['model']}",
@@ -96,11 +96,7 @@ def grpo(label: str, paths: dict[str, Any], args: argparse.Namespace, lr: float 
     cfg = load_config("tiny/grpo", overrides)
     print(f"\n=== GRPO run '{label}': lr={cfg.actor.optim.lr}, rollout={cfg.rollout.name}, "
           f"B={cfg.data.train_batch_size} x n={cfg.rollout.n}, {cfg.trainer.total_training_steps} steps", flush=True)
-    trainer = build_trainer(cfg)  # it reports its start-up stages with their seconds
-    try:
-        return trainer.fit()
-    finally:
-        shutdown(trainer)
+    return train(cfg)[0]  # the start-up reports its stages with their seconds
 
 
 def accuracy_curve(history: list[dict[str, Any]]) -> list[tuple[int, float]]:

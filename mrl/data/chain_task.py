@@ -10,13 +10,12 @@ with the result:
               answer 57
 
 Values stay in 0..max_value (99, or 9 for single digits) and operands are 1..9; each operation is drawn among those
-that keep the value in range. Each line is
-easy alone (find the label in the prompt, copy the running value, one small sum), but an exact answer needs all K
-right, so the accuracy of a model that errs on a small share of lines falls geometrically with K: the headroom RL
-uses. With values below 100 and K from 13 to 17 a response is 185-265 characters, with single digits and K from 15
-to 19 it is 203-255, one token each under the character tokenizer (mrl/data/synthetic.char_tokenizer). Measured on
-one H200 (docs/learning.md): a 135M model warmed up for 400 steps on two-digit values stayed under 2 % held-out
-accuracy, so the GPU shape uses single digits. The reward (mrl/data/chain_reward.py) scores the last line only.
+that keep the value in range. Each line is easy alone (find the label in the prompt, copy the running value, one
+small sum), but an exact answer needs all K right, so the accuracy of a model that errs on a small share of lines
+falls geometrically with K: the headroom RL uses. With values below 100 and K from 13 to 17 a response is 185-265
+characters, with single digits and K from 15 to 19 it is 203-255, one token each under the character tokenizer
+(mrl/data/synthetic.char_tokenizer). A random last value scores one answer in max_value + 1 (10 % with single
+digits), so accuracy near that level means nothing was learned (docs/learning.md).
 """
 
 from __future__ import annotations

@@ -212,3 +212,15 @@ def shutdown(trainer: PPOTrainer) -> None:
         p.critic.kill()
     if getattr(p, "pool", None) is not None:
         p.pool.remove()
+
+
+def train(cfg: Any) -> tuple[list[dict[str, Any]], float]:
+    """Build the trainer, fit it and shut everything down again; returns the run's history and the seconds its
+    start-up took (workers, replicas, agent loops)."""
+    start = time.monotonic()
+    trainer = build_trainer(cfg)
+    startup = time.monotonic() - start
+    try:
+        return trainer.fit(), startup
+    finally:
+        shutdown(trainer)

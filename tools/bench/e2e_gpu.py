@@ -73,15 +73,9 @@ def median(history: list[dict[str, Any]], key: str) -> float:
 
 
 def run_mrl(cfg: Any) -> dict[str, Any]:
-    from mrl.trainer.build import build_trainer, shutdown
+    from mrl.trainer.build import train
 
-    start = time.monotonic()
-    trainer = build_trainer(cfg)
-    startup = time.monotonic() - start
-    try:
-        history = trainer.fit()
-    finally:
-        shutdown(trainer)
+    history, startup = train(cfg)
     keys = {k for h in history for k in h if k.startswith(KEPT)}
     return {"startup_s": startup, "median": {k: median(history, k) for k in sorted(keys)}, "history": history}
 

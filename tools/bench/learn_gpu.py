@@ -30,7 +30,6 @@ import argparse
 import json
 import math
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,14 @@ SHAPES: dict[str, dict[str, Any]] = {
         dtype="float32", chain=(2, 3), max_value=99, n_train=512, n_val=16,
         sft=dict(steps=20, batch_size=16, lr=3e-3, warmup_steps=4, eval_every=10, max_new_tokens=48),
         grpo=dict(batch=4, n=4, mini=2, lr=1e-4, response=64, micro_tokens=4096, memory=None),
+    ),
+    # A CPU-sized rehearsal of the same path (minutes on 2 cores): short single-digit chains, a 4-layer model.
+    "cpu": dict(
+        model=dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2),
+        dtype="float32", chain=(3, 4), max_value=9, n_train=4000, n_val=64,
+        sft=dict(steps=1500, batch_size=32, lr=3e-3, warmup_steps=20, eval_every=50, max_new_tokens=80),
+        grpo=dict(batch=16, n=8, mini=8, lr=1e-4, response=128, micro_tokens=8192, memory=None),
     ),
     "0.1b": dict(
         model=dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
@@ -72,8 +79,11 @@ def warmup(args: argparse.Namespace, shape: dict[str, Any], out: Path) -> dict[s
     init = make_tiny_hf_model("qwen2", out / "init", seed=args.seed, tokenizer=tokenizer, init_std=0.02,
                               dtype=getattr(torch, shape["dtype"]), max_position_embeddings=2048,
                               tie_word_embeddings=True, **shape["model"])
+    # A random last value scores one answer in max_value + 1: a warm-up at that level has not learned the chain.
+    chance = 1 / (shape["max_value"] + 1)
+    stop_at = args.stop_at if args.stop_at is not None else max(0.15, chance + 0.10)
     settings = SFTSettings(model_path=str(init), out_dir=str(out / "warm"), params_dtype=shape["dtype"],
-                           reward_fn=REWARD_FN, stop_at_accuracy=args.stop_at, max_seconds=args.warmup_seconds,
+                           reward_fn=REWARD_FN, stop_at_accuracy=stop_at, max_seconds=args.warmup_seconds,
                            seed=args.seed, **shape["sft"])
     examples = [sft_example(tokenizer, r) for r in train]
     # The warm-up's accuracy on the first SFT_EVAL_ROWS held-out prompts (each evaluation generates them all).
@@ -109,19 +119,12 @@ def grpo_overrides(args: argparse.Namespace, shape: dict[str, Any], task: dict[s
 def run_grpo(args: argparse.Namespace, shape: dict[str, Any], task: dict[str, str], label: str, lr: float,
              seconds: float, out: Path) -> dict[str, Any]:
     from mrl.config.loader import load_config
-    from mrl.trainer.build import build_trainer, shutdown
+    from mrl.trainer.build import train
 
     cfg = load_config("tiny/grpo", grpo_overrides(args, shape, task, label, lr, seconds, out))
     print(f"\n[learn] === {label}: lr {lr}, B={cfg.data.train_batch_size} x n={cfg.rollout.n}, "
           f"{cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size} updates per step, {seconds:.0f} s", flush=True)
-    start = time.monotonic()
-    trainer = build_trainer(cfg)
-    startup = time.monotonic() - start
-    try:
-        history = trainer.fit()
-    finally:
-        shutdown(trainer)
-    return summarize(history, startup)
+    return summarize(*train(cfg))
 
 
 def summarize(history: list[dict[str, Any]], startup: float) -> dict[str, Any]:
@@ -153,7 +156,9 @@ def main() -> None:
     parser.add_argument("--stages", nargs="+", default=["warmup", "grpo", "control"],
                         choices=["warmup", "grpo", "control"])
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--stop-at", type=float, default=0.15, help="warm-up: stop once held-out accuracy >= this")
+    parser.add_argument("--stop-at", type=float, default=None,
+                        help="warm-up: stop once held-out accuracy >= this (default: the larger of 0.15 and the "
+                             "chance level, one answer in max_value + 1, plus 0.10)")
     parser.add_argument("--warmup-seconds", type=float, default=150.0)
     parser.add_argument("--lr", type=float, default=None, help="GRPO learning rate (default: the shape's)")
     parser.add_argument("--temperature", type=float, default=1.0, help="rollout.temperature")
