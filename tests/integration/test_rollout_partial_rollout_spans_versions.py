@@ -13,6 +13,7 @@ from rollout_fixtures import (
     MAX_MODEL_LEN,
     PROMPT,
     current_versions,
+    exported,
     max_logprob_error,
     next_version,
     restore_seed0,
@@ -45,7 +46,7 @@ def test_abort_update_resume_completes_trajectory(manager, hf_models):
         # The client's retry is now parked in the paused server: it must not run on the old weights.
         await wait_for(replica, "waiting", 1)
         assert not trajectory.done()
-        await asyncio.to_thread(manager.update_weights, hf_models[1].state_dict().items(), new_version)
+        await asyncio.to_thread(manager.update_weights, exported(hf_models[1]).items(), new_version)
         await replica.resume_generation()
         return aborted, await trajectory
 

@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 import ray
 from rollout_fixtures import *  # noqa: F403  (the shared fixtures: models, model folder)
-from rollout_fixtures import next_version, replica_spec
+from rollout_fixtures import exported, next_version, replica_spec
 
 from mrl.data.replay_buffer import ReplayBuffer
 from mrl.rollout.agent_loop import AgentLoopManager
@@ -97,7 +97,7 @@ def assert_exactly_once(trajectories: list[dict], version: int) -> None:
 def test_killed_replica_is_replaced_and_resynced_to_weights_pushed_while_it_was_down(pool, hf_models):
     manager, loops = pool
     version = next_version()
-    manager.update_weights(hf_models[1].state_dict().items(), version)
+    manager.update_weights(exported(hf_models[1]).items(), version)
     before = pids(manager)
     victim = max(manager.replicas)
     old_server_id = manager.replicas[victim].server_id
@@ -108,7 +108,7 @@ def test_killed_replica_is_replaced_and_resynced_to_weights_pushed_while_it_was_
 
     # New weights while the victim is down or restarting, through a copy of the manager as a trainer worker has.
     newer = next_version()
-    loaded = ray.get(push_from_a_copy.remote(manager, hf_models[0].state_dict(), newer))
+    loaded = ray.get(push_from_a_copy.remote(manager, exported(hf_models[0]), newer))
     assert loaded and all(count > 0 for count in loaded)
     wait_until(lambda: len(ray.get(manager.balancer.servers.remote())) == 2, what="the replacement to serve")
     assert manager.restarts[victim] == 1 and old_server_id not in ray.get(manager.balancer.servers.remote())
@@ -121,7 +121,7 @@ def test_killed_replica_is_replaced_and_resynced_to_weights_pushed_while_it_was_
 def test_hung_replica_times_out_its_health_check_and_its_calls_are_retried(pool, hf_models):
     manager, loops = pool
     version = next_version()
-    manager.update_weights(hf_models[1].state_dict().items(), version)
+    manager.update_weights(exported(hf_models[1]).items(), version)
     victim = min(manager.replicas)
     restarts = manager.restarts[victim]
     frozen = ray.get(manager.replicas[victim].health())["pid"]
@@ -160,7 +160,7 @@ def test_a_control_call_to_a_hung_replica_fails_naming_replica_and_knob(pool):
 def test_a_replacement_takes_the_pools_sleep_and_pause_state_before_it_serves(pool, hf_models):
     manager, _ = pool
     version = next_version()
-    manager.update_weights(hf_models[0].state_dict().items(), version)
+    manager.update_weights(exported(hf_models[0]).items(), version)
     manager.sleep(2)
     manager.wake_up(["weights"])  # mid weight sync of a hybrid step: weights awake, KV cache still released
     manager.abort_all()
@@ -179,7 +179,7 @@ def test_a_replacement_takes_the_pools_sleep_and_pause_state_before_it_serves(po
 def test_after_a_transport_sync_a_replacement_serves_only_once_the_next_push_reached_it(pool, hf_models):
     manager, _ = pool
     version = next_version()
-    manager.update_weights(hf_models[1].state_dict().items(), version, transport="disk", timeout_s=120)
+    manager.update_weights(exported(hf_models[1]).items(), version, transport="disk", timeout_s=120)
     assert ray.get(manager.balancer.latest_weights.remote()) == (version, None)  # nothing kept to re-push
     victim = max(manager.replicas)
     restarts = manager.restarts[victim]
@@ -189,7 +189,7 @@ def test_after_a_transport_sync_a_replacement_serves_only_once_the_next_push_rea
     assert len(ray.get(manager.balancer.servers.remote())) == 1
     assert ray.get(manager.replicas[victim].health())["version"] == 0
     newer = next_version()
-    loaded = manager.update_weights(hf_models[0].state_dict().items(), newer, transport="disk", timeout_s=120)
+    loaded = manager.update_weights(exported(hf_models[0]).items(), newer, transport="disk", timeout_s=120)
     assert len(loaded) == 2, "the push reaches the waiting replacement too"
     wait_until(lambda: len(ray.get(manager.balancer.servers.remote())) == 2, what="the replacement to serve")
     assert [h["version"] for h in manager.health().values()] == [newer, newer]

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import ray
 from rollout_fixtures import *  # noqa: F403  (the shared fixtures: managers, models)
-from rollout_fixtures import PROMPT, current_versions, next_version, run
+from rollout_fixtures import PROMPT, current_versions, exported, next_version, run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # a second vLLM engine start (30-120 s)
 
@@ -27,7 +27,7 @@ def test_killed_engine_process_is_detected_and_the_replica_replaced(manager, hf_
     manager.start_monitor()
     try:
         version = next_version()
-        manager.update_weights(hf_models[0].state_dict().items(), version)
+        manager.update_weights(exported(hf_models[0]).items(), version)
         (rank,) = manager.replicas
         restarts = manager.restarts[rank]
         server = psutil.Process(ray.get(manager.replicas[rank].health())["pid"])

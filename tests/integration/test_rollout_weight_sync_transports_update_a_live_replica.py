@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import pytest
 from rollout_fixtures import *  # noqa: F403  (the shared fixtures: managers, models)
-from rollout_fixtures import PROMPT, current_versions, max_logprob_error, next_version, restore_seed0, run
+from rollout_fixtures import (
+    PROMPT,
+    current_versions,
+    exported,
+    max_logprob_error,
+    next_version,
+    restore_seed0,
+    run,
+)
 
 from mrl.weight_sync import TRANSPORTS
 
@@ -22,7 +30,7 @@ BUCKET_BYTES = 48 << 10  # the tiny model's embedding (128 KiB) spans three buck
 def test_transport_loads_new_weights_into_the_replica(manager, hf_models, transport):
     client = manager.client()
     version = next_version()
-    state = hf_models[1].state_dict()
+    state = exported(hf_models[1])
     loaded = manager.update_weights(state.items(), version, BUCKET_BYTES, transport=transport, timeout_s=120)
     try:
         assert loaded == [len(state)]
@@ -41,11 +49,11 @@ def test_nccl_syncs_reuse_one_kept_group(manager, hf_models):
     try:
         for i, model in enumerate((hf_models[1], hf_models[0], hf_models[1])):
             version = next_version()
-            loaded = manager.update_weights(model.state_dict().items(), version, BUCKET_BYTES, transport="nccl",
+            loaded = manager.update_weights(exported(model).items(), version, BUCKET_BYTES, transport="nccl",
                                             timeout_s=120, keep_group=True)
             groups.append(manager.kept_sync_group)
             out = run(client.generate(f"ws-kept-{i}", PROMPT, SAMPLED))
-            assert loaded == [len(model.state_dict())] and out.version == version
+            assert loaded == [len(exported(model))] and out.version == version
             assert max_logprob_error(model, PROMPT, out) <= 1e-4
         assert groups[0] is not None and groups == groups[:1] * 3
     finally:
