@@ -86,11 +86,10 @@ def chain_rows(n_train: int, n_val: int, min_steps: int, max_steps: int, seed: i
 
 
 def sft_example(tokenizer: Any, row: dict[str, Any]) -> tuple[list[int], list[int]]:
-    """(ids, loss mask): the templated prompt (not trained), then the worked solution and the end-of-turn token."""
-    prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
-    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-    answer_ids = tokenizer.encode(row["extra_info"]["solution"] + tokenizer.eos_token, add_special_tokens=False)
-    return prompt_ids + answer_ids, [0] * len(prompt_ids) + [1] * len(answer_ids)
+    """(ids, loss mask) of a row's prompt and its worked solution (mrl/data/synthetic.sft_example)."""
+    from mrl.data.synthetic import sft_example as templated
+
+    return templated(tokenizer, row["prompt"], row["extra_info"]["solution"])
 
 
 def write_task(out: Path, model_dir: str | Path, train: list[dict], val: list[dict]) -> dict[str, str]:

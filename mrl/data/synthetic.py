@@ -51,12 +51,11 @@ def char_tokenizer(out_dir: str | Path | None = None) -> Any:
     return train_tiny_tokenizer(out_dir, vocab_size=CHAR_VOCAB, corpus=["0123456789+="])
 
 
-def _sft_example(tokenizer: Any, row: dict[str, Any]) -> tuple[list[int], list[int]]:
-    """(ids, loss mask): the templated prompt (not trained), then the answer and the end-of-turn token."""
-    prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
-    answer = row["reward_model"]["ground_truth"] + tokenizer.eos_token
+def sft_example(tokenizer: Any, messages: list[dict[str, str]], answer: str) -> tuple[list[int], list[int]]:
+    """(ids, loss mask): the templated prompt (not trained), then `answer` and the end-of-turn token."""
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-    answer_ids = tokenizer.encode(answer, add_special_tokens=False)
+    answer_ids = tokenizer.encode(answer + tokenizer.eos_token, add_special_tokens=False)
     return prompt_ids + answer_ids, [0] * len(prompt_ids) + [1] * len(answer_ids)
 
 
@@ -69,7 +68,8 @@ def supervised_warmup(
     (e.g. multi-turn ones whose tool observations are not trained)."""
     start = time.monotonic()
     rng = random.Random(seed)
-    examples = examples if examples is not None else [_sft_example(tokenizer, r) for r in rows]
+    if examples is None:
+        examples = [sft_example(tokenizer, r["prompt"], r["reward_model"]["ground_truth"]) for r in rows]
     optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     loss = torch.tensor(0.0)
