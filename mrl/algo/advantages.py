@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from mrl.algo.masked import masked_sum, masked_whiten
-from mrl.algo.registry import Registry
 from mrl.reward.placement import place_on_last_token
+from mrl.utils.registry import Registry
 
 GroupIndex = Tensor | np.ndarray | Sequence[object]
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from mrl.algo.masked import LOG_RATIO_CLAMP, masked_count, masked_mean, masked_sum
-from mrl.algo.registry import Registry
+from mrl.utils.registry import Registry
 
 # GSPO's sequence ratio is an average, so a smaller cap suffices and keeps exp() far from overflow in bf16.
 _GSPO_LOG_RATIO_MAX = 10.0

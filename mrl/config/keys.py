@@ -20,8 +20,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import OverrideParseException
 
+from mrl.config.errors import Violation
 from mrl.config.schema import MrlConfig
-from mrl.config.validate import Violation
 
 # Hydra's own settings (hydra.run.dir=…) and groups are Hydra's business, not the schema's.
 _HYDRA_PREFIX = "hydra"

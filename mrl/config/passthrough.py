@@ -20,8 +20,8 @@ from collections.abc import Iterable, Iterator
 from functools import cache
 from typing import Any
 
-from mrl.config.validate import ConfigError, Violation
-from rollout_adapters.fields import ADAPTER_ENGINE_KWARGS
+from mrl.config.engine_fields import ADAPTER_ENGINE_KWARGS
+from mrl.config.errors import ConfigError, Violation
 
 # Where each backend's engine arguments are declared: (module, class) candidates, first importable wins.
 ENGINE_ARG_CLASSES: dict[str, tuple[tuple[str, str], ...]] = {

@@ -2,7 +2,7 @@
 
 Recipes (`recipes/<family>/<size>_<algo>.yaml`) start from `defaults: [mrl_config, _self_]` and override fields;
 OmegaConf checks types and rejects unknown keys on composition. Cross-field rules (divisibility, mode/transport
-compatibility, …) live in `mrl/config/validate.py` and run once at start-up, before any worker starts.
+compatibility, …) live in `mrl/config/startup/validate.py` and run once at start-up, before any worker starts.
 Field names follow verl's where a verl user would look for them (`ppo_mini_batch_size`, `rollout.n`, …).
 """
 
@@ -12,6 +12,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 ROOT_CONFIG_NAME = "mrl_config"
+# trainer.logger's choices (mrl/trainer/loggers.py builds them; the start-up rules check the names).
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 
 
 @dataclass
@@ -344,7 +346,7 @@ class RolloutConfig:
     # Replicas to start (0: as many as the trainer's device slots hold, one per TP×DP×PP footprint).
     num_replicas: int = 0
     # Extra engine arguments passed to the backend verbatim (e.g. vLLM's swap_space); keys that a setting above
-    # fills are refused at start-up, naming the setting (rollout_adapters/fields.py).
+    # fills are refused at start-up, naming the setting (mrl/config/engine_fields.py).
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     # Times one generate call is retried on another (or the restarted) replica after its replica failed.
     max_request_retries: int = 3

@@ -24,6 +24,7 @@ from mrl.data.jagged import JaggedTensor
 from mrl.data.sample_store import SampleStore
 
 # What an agent loop puts; workers add their outputs to the same value.
+NOT_ROUTED = -1  # a token no engine routed, in the [tokens, MoE layers, top-k] layout (mrl/engine/megatron/routing.py)
 TRAJECTORY_FIELDS = ("input_ids", "response_mask", "rollout_log_probs")
 
 
@@ -42,8 +43,6 @@ def routed_experts(turn_extras: Sequence[dict[str, Any]], length: int) -> torch.
     """The engine's routing of a trajectory of `length` tokens, [length, L, K], from its turns' `routed_experts`
     (each turn's covers its prompt, i.e. every earlier token, observations included, and its own tokens but the
     last): the longest one, the rest NOT_ROUTED (-1). None when no turn returned routing."""
-    from mrl.engine.megatron.routing import NOT_ROUTED
-
     found = [e["routed_experts"] for e in turn_extras if e.get("routed_experts") is not None]
     if not found:
         return None

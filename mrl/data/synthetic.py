@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mrl.reward.registry import exact_match_reward  # the task's reward, registered by its DATA_SOURCE
+from mrl.data.exact_match import exact_match_reward  # the task's reward (mrl/reward/registry.py: by its DATA_SOURCE)
 
 DATA_SOURCE = "mrl/reverse_digits"
 # 4 special tokens + 256 byte-level symbols: a BPE trained to this size learns no merges.

@@ -10,10 +10,11 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from mrl.algo.registry import Registry
 from mrl.data import chain_reward
+from mrl.data.exact_match import exact_match_reward
 from mrl.reward.format_check import split_think
 from mrl.reward.math_answer import extract_answer, extract_gsm8k, last_boxed, matches_any
+from mrl.utils.registry import Registry
 
 RewardFn = Callable[[str, Any, Mapping[str, Any] | None], float]
 
@@ -46,10 +47,8 @@ def boxed_math_reward(solution_str: str, ground_truth: Any, extra_info: Mapping[
     return _score(matches_any(last_boxed(solution_str), ground_truth))
 
 
-@REWARD_FNS.register("exact_match", "mrl/reverse_digits")  # the demo's task (mrl/data/synthetic.py)
-def exact_match_reward(solution_str: str, ground_truth: Any, extra_info: Mapping[str, Any] | None = None) -> float:
-    """1.0 iff the response is exactly the answer (surrounding whitespace ignored), else 0.0."""
-    return 1.0 if solution_str.strip() == str(ground_truth).strip() else 0.0
+# The demo's task (mrl/data/synthetic.py); its reward lives beside it.
+REWARD_FNS.register("exact_match", "mrl/reverse_digits")(exact_match_reward)
 
 
 # The GPU learning task's reward (mrl/data/chain_task.py); its module has no mrl imports so the task travels.

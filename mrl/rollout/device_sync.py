@@ -129,20 +129,3 @@ def sync_per_device(manager: Any, stream: Iterable[tuple], version: int, bucket_
         raise RuntimeError(f"weight sync (ipc, per device) to version {version} failed on {len(failed)} rank(s) "
                            f"({lines}); replicas whose load failed keep their previous version")
     return {**sent.metrics(), **({"replica_tensors": counts} if rank == 0 else {})}
-
-
-def device_sync_metrics(per_rank: list[dict[str, Any]]) -> dict[str, float]:
-    """Step metrics from every rank's sync result (per device, rank 0's stream, or the adapters): bytes sent per
-    device (the busiest one) and in all, split into TP slices and whole tensors, how many of them went by one copy
-    (weight_sync.one_copy), and tensors sent."""
-    ranks = [r for r in per_rank if isinstance(r, dict) and "bytes_whole" in r]
-    if not ranks:
-        return {}
-    per_device = [r["bytes_sliced"] + r["bytes_whole"] for r in ranks]
-    return {"weight_sync/device_bytes_max": float(max(per_device)),
-            "weight_sync/bytes_total": float(sum(per_device)),
-            "weight_sync/tensors": float(sum(r["tensors"] for r in ranks)),
-            "weight_sync/bytes_sliced": float(sum(r["bytes_sliced"] for r in ranks)),
-            "weight_sync/bytes_whole": float(sum(r["bytes_whole"] for r in ranks)),
-            "weight_sync/bytes_one_copy": float(sum(r.get("bytes_one_copy", 0) for r in ranks)),
-            "weight_sync/senders": float(sum(bool(r["receivers"]) for r in ranks))}

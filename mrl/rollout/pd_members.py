@@ -27,8 +27,8 @@ from mrl.rollout.pd import (
 )
 from mrl.rollout.replica import Footprint, ReplicaSpec
 from mrl.rollout.server import RolloutServer, restore_niceness
+from mrl.utils.network import require_loopback
 from rollout_adapters.base import StopReason
-from rollout_adapters.network import require_loopback
 from rollout_adapters.sglang import protocol as sglang_protocol
 from rollout_adapters.sglang.adapter import SGLangAdapter
 from rollout_adapters.vllm.adapter import VLLMAdapter, sample_result, to_vllm_sampling

@@ -24,8 +24,8 @@ from typing import Any
 import ray
 
 from mrl.rollout.server import SERVER_ENV, RolloutServer
+from mrl.utils.network import LOOPBACK, require_loopback
 from rollout_adapters.base import adapter_class
-from rollout_adapters.network import LOOPBACK, require_loopback
 
 
 class RolloutMode(enum.StrEnum):
@@ -77,7 +77,7 @@ class ReplicaSpec:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     # No CUDA graphs / compilation (rollout.enforce_eager); None leaves the backend's device default.
     enforce_eager: bool | None = None
-    # The engine settings of rollout.* (schema.py says what each means and rollout_adapters/fields.py which
+    # The engine settings of rollout.* (schema.py says what each means and mrl/config/engine_fields.py which
     # engine argument it fills); None leaves the engine's default.
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True

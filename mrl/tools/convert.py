@@ -191,7 +191,8 @@ def check_steps(steps: list[ToMegatron | ToHF]) -> None:
     """Every mistake a step's arguments can hold, before any process starts: one `ConfigError` naming each
     argument (a folder without config.json, a layout size below 1 or one the model's shape does not split into,
     an unknown dtype)."""
-    from mrl.config.validate import ConfigError, Violation, layout_shape_problems
+    from mrl.config import ConfigError, Violation
+    from mrl.config.model_shape import layout_shape_problems
 
     flags = {"tensor_model_parallel_size": "--tp", "pipeline_model_parallel_size": "--pp",
              "expert_model_parallel_size": "--ep"}

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
-from mrl.tools.model_shape import ModelShape
+from mrl.config.model_shape import ModelShape
 
 GiB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -9,7 +9,7 @@ Per-step accounting (the seeds' table, verl's conventions):
 - devices for training and rollout; GPU share per worker 1/max_colocate_count;
 - weight syncs per step (separate_async: updates ÷ parameter_sync_step, else 1) and whether they cross pools.
 Then the per-device memory estimate of `mrl/tools/memory.py`, and problems: every start-up rule the
-configuration breaks (mrl/config/validate.py) plus what cannot fit on the device. The exit status is 1 when the
+configuration breaks (mrl/config/startup/validate.py) plus what cannot fit on the device. The exit status is 1 when the
 recipe cannot start, so scripts can gate on it.
 """
 
@@ -23,11 +23,11 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from mrl.config.loader import load_config
+from mrl.config.model_shape import ModelShape, resolve_model_config, shape_from_config
 from mrl.config.placement import rollout_placement
-from mrl.config.validate import ConfigError, validate
+from mrl.config.startup import ConfigError, validate
+from mrl.config.startup.loader import load_config
 from mrl.tools.memory import GiB, MemoryEstimate, estimate
-from mrl.tools.model_shape import ModelShape, resolve_model_config, shape_from_config
 
 # Above this share of device memory the caching allocator's fragmentation usually tips a run into OOM.
 _TIGHT_FRACTION = 0.9

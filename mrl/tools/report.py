@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
     paths = [metrics_file(r) for r in args.run_dir]
     for path in paths:
         if not path.is_file():
-            from mrl.config.validate import ConfigError, Violation
+            from mrl.config import ConfigError, Violation
 
             raise ConfigError([Violation("run_dir", str(path), "no metrics file there (the trainer's jsonl logger "
                                                                "writes <default_local_dir>/metrics.jsonl)")])

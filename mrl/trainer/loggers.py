@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any, Protocol
 
-LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+from mrl.config.schema import LOGGERS
 
 
 class StepLogger(Protocol):

@@ -68,7 +68,7 @@ def closing_line(c: Any, steps: int, seconds: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mrl.config.loader import load_config
+    from mrl.config.startup.loader import load_config
     from mrl.trainer.build import build_trainer, shutdown
 
     cfg = load_config(args.recipe, list(args.overrides))

@@ -67,7 +67,7 @@ class ModelFlops:
 
     @classmethod
     def from_hf_config(cls, c: dict[str, Any]) -> ModelFlops:
-        from mrl.tools.model_shape import shape_from_config
+        from mrl.config.model_shape import shape_from_config
 
         shape = shape_from_config(c)
         heads = c["num_attention_heads"]
@@ -83,7 +83,7 @@ class ModelFlops:
     @classmethod
     def from_model_path(cls, path: str) -> ModelFlops | None:
         """From `<path>/config.json` (or the built-in shape of that name); None where neither exists."""
-        from mrl.tools.model_shape import resolve_model_config
+        from mrl.config.model_shape import resolve_model_config
 
         try:
             return cls.from_hf_config(resolve_model_config(path)[0])

@@ -31,7 +31,6 @@ from mrl.data.sample_store import SampleStore
 from mrl.data.samples import light_batch, put_noop_payloads
 from mrl.reward.errors import RewardErrors
 from mrl.reward.evaluator import RewardEvaluator, RewardItem
-from mrl.rollout.device_sync import device_sync_metrics
 from mrl.trainer import batching, checkpointing
 from mrl.trainer.metrics import (
     ModelFlops,
@@ -42,6 +41,7 @@ from mrl.trainer.metrics import (
     staleness_metrics,
 )
 from mrl.utils.rng import rng_state, set_rng_state
+from mrl.weight_sync.state_machine import device_sync_metrics
 
 
 @dataclass

@@ -14,7 +14,7 @@ Megatron export with row blocks: every tensor a view of the parameter buffers) h
 not wait for it: it announces every bucket as fast as it can and waits for the receivers at the end only.
 Entries are `[name, dtype, shape, stride, offset, storage]` (+ `[dim, rank, size]` for a TP slice, as in
 buckets.py; + `[tp slice or None, 1]` for row blocks): `offset` in elements of `dtype` from the start of storage
-number `storage`, whose handle (base64 of `rollout_adapters.cuda_ipc.share_cuda_buffer`) came in the `storages` of
+number `storage`, whose handle (base64 of `mrl.weight_sync.cuda_ipc.share_cuda_buffer`) came in the `storages` of
 this bucket or of an earlier one. Row blocks (bridges.export.ROW_BLOCKS: fused QKV's q/k/v as [groups, rows,
 *rest] views of linear_qkv) travel as those views, so the sender copies nothing; the receiver's loader copies
 them block-wise into place, or the reader flattens them (a copy) for a loader that takes HF tensors only.
@@ -85,7 +85,7 @@ def share_buckets(
     `ring` (default: a list of this call's own) lets the caller keep the staging buffers to the end of the sync.
     `share` (default: CUDA IPC, which needs every tensor on the device) makes a storage's handle. Bucket k holds
     at most min(bucket_bytes, first_bucket << k) (`first_bucket` default FIRST_BUCKET_BYTES; 0: no ramp)."""
-    from rollout_adapters.cuda_ipc import share_cuda_buffer
+    from mrl.weight_sync.cuda_ipc import share_cuda_buffer
 
     cuda = share is None
     share = share or share_cuda_buffer
@@ -273,7 +273,7 @@ class HandleReader:
         HandleReader.last = self.stats
 
     def read(self, meta: dict[str, Any]) -> list[tuple]:
-        from rollout_adapters.cuda_ipc import open_cuda_buffer
+        from mrl.weight_sync.cuda_ipc import open_cuda_buffer
 
         start = time.perf_counter()
         self.stats["read_at"].append(start)

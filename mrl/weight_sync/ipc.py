@@ -56,7 +56,7 @@ class IpcSender(WeightSender):
 
     def _prepare(self) -> dict[str, Any]:
         if self.device.type == "cuda":
-            from rollout_adapters.cuda_ipc import share_cuda_buffer
+            from mrl.weight_sync.cuda_ipc import share_cuda_buffer
 
             self.buffers = [] if self.one_copy else [
                 torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device) for _ in range(NUM_BUFFERS)]
@@ -135,7 +135,7 @@ class IpcReceiver(WeightReceiver):
         # them itself (keep_parts)
         self.handles = HandleReader(keep_parts) if spec.get("one_copy") else None
         if spec["device"] == "cuda":
-            from rollout_adapters.cuda_ipc import open_cuda_buffer
+            from mrl.weight_sync.cuda_ipc import open_cuda_buffer
 
             here = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
             if here != spec["gpu"]:

@@ -63,8 +63,6 @@ class StandaloneWeightSync:
         with self._stage(report, "update_weights"):
             result = self.update_weights(version)
         if isinstance(result, list):  # the actor's per-rank results (a test's stand-in may return None)
-            from mrl.rollout.device_sync import device_sync_metrics
-
             report.sent = device_sync_metrics(result)
         with self._stage(report, "finalize"):
             self.finalize(version)
@@ -88,3 +86,20 @@ class StandaloneWeightSync:
         yield
         report.seconds[name] = time.perf_counter() - start
         log.info("weight sync v%d: %s %.3f s", report.version, name, report.seconds[name])
+
+
+def device_sync_metrics(per_rank: list[dict[str, Any]]) -> dict[str, float]:
+    """Step metrics from every rank's sync result (per device, rank 0's stream, or the adapters): bytes sent per
+    device (the busiest one) and in all, split into TP slices and whole tensors, how many of them went by one copy
+    (weight_sync.one_copy), and tensors sent."""
+    ranks = [r for r in per_rank if isinstance(r, dict) and "bytes_whole" in r]
+    if not ranks:
+        return {}
+    per_device = [r["bytes_sliced"] + r["bytes_whole"] for r in ranks]
+    return {"weight_sync/device_bytes_max": float(max(per_device)),
+            "weight_sync/bytes_total": float(sum(per_device)),
+            "weight_sync/tensors": float(sum(r["tensors"] for r in ranks)),
+            "weight_sync/bytes_sliced": float(sum(r["bytes_sliced"] for r in ranks)),
+            "weight_sync/bytes_whole": float(sum(r["bytes_whole"] for r in ranks)),
+            "weight_sync/bytes_one_copy": float(sum(r.get("bytes_one_copy", 0) for r in ranks)),
+            "weight_sync/senders": float(sum(bool(r["receivers"]) for r in ranks))}

@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
+from mrl.config.engine_fields import ADAPTER_ENGINE_KWARGS, refuse_shadowing
+from mrl.utils.network import LOOPBACK, require_loopback, url_host
 from rollout_adapters.base import RolloutAdapter, StopReason
 from rollout_adapters.buckets import unpack_bucket
-from rollout_adapters.fields import ADAPTER_ENGINE_KWARGS, refuse_shadowing
-from rollout_adapters.network import LOOPBACK, require_loopback, url_host
 from rollout_adapters.sglang import protocol
 
 

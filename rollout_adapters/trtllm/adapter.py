@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
+from mrl.config.engine_fields import refuse_shadowing
 from rollout_adapters.base import RolloutAdapter, StopReason
 from rollout_adapters.buckets import unpack_bucket
-from rollout_adapters.fields import refuse_shadowing
 from rollout_adapters.trtllm import protocol
 
 CPU_TENSORS = "tensorrt-llm weight update from CPU tensors: its worker rebuilds CUDA IPC handles only"

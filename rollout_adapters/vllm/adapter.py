@@ -11,15 +11,14 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+from mrl.config.engine_capabilities import VLLM_LORA_RANKS, vllm_routing_unsupported
+from mrl.config.engine_fields import refuse_shadowing
 from rollout_adapters.base import RolloutAdapter, StopReason
-from rollout_adapters.fields import refuse_shadowing
-from rollout_adapters.vllm.routed_experts import routing_extra, unsupported_reason
+from rollout_adapters.vllm.routed_experts import routing_extra
 
 WORKER_EXTENSION = "rollout_adapters.vllm.worker_extension.WeightReceiverExtension"
 UNIPROC_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
 _STOP_REASONS: dict[str | None, StopReason] = {"stop": "stop", "length": "length", "abort": "aborted"}
-# The max_lora_rank values vLLM accepts (vllm/config/lora.py MaxLoRARanks, the same in 0.25 and 0.32).
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def engine_lora_rank(rank: int) -> int:
@@ -104,7 +103,7 @@ class VLLMAdapter(RolloutAdapter):
             # holds every running sequence's whole context means prefills are never chunked.
             max_num_seqs = max_num_seqs or 256
             max_num_batched_tokens = max_num_batched_tokens or max_num_seqs * max_model_len
-        # Every named setting (rollout_adapters/fields.py); None leaves vLLM's own default.
+        # Every named setting (mrl/config/engine_fields.py); None leaves vLLM's own default.
         settings = dict(
             gpu_memory_utilization=gpu_memory_utilization,
             max_num_seqs=max_num_seqs,
@@ -273,9 +272,9 @@ def routed_moe_layers(model_path: str, on_gpu: bool) -> list[int]:
     import json
     import os
 
-    from mrl.tools.model_shape import moe_layer_indices
+    from mrl.config.model_shape import moe_layer_indices
 
-    reason = unsupported_reason(on_gpu)
+    reason = vllm_routing_unsupported(on_gpu)
     if reason:
         raise ValueError(f"return_routed_experts (router replay R3) with the vllm backend {reason}")
     with open(os.path.join(model_path, "config.json")) as f:

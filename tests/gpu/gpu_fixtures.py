@@ -38,7 +38,7 @@ def demo_task(root: Path, warmup_steps: int = 75) -> dict[str, Any]:
 
 
 def demo_trainer(paths: dict[str, Any], root: Path, *overrides: str, cls: Any = None) -> Any:
-    from mrl.config.loader import load_config
+    from mrl.config.startup.loader import load_config
     from mrl.trainer.build import build_trainer
 
     cfg = load_config("tiny/grpo", [

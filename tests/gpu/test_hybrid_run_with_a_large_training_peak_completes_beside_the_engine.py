@@ -16,7 +16,7 @@ STEPS = 10
 def test_ten_steps_with_a_training_peak_above_40_percent(gpu_ray, tmp_path):
     import torch
 
-    from mrl.config.loader import load_config
+    from mrl.config.startup.loader import load_config
     from mrl.data.datasets import write_rows
     from mrl.data.synthetic import char_tokenizer, reverse_rows
     from mrl.models.tiny import QWEN2_5_SHAPES, make_tiny_hf_model

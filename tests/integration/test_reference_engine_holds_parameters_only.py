@@ -50,10 +50,10 @@ def run(rank: int, world: int, path: str) -> dict:
 
 
 def test_reference_engine_has_no_gradient_buffer_and_the_same_log_probs(tmp_path):
-    from mrl.config.loader import load_config
+    from mrl.config.model_shape import shape_from_config
+    from mrl.config.startup.loader import load_config
     from mrl.models.tiny import make_tiny_hf_model, tiny_hf_config
     from mrl.tools.memory import engine_memory
-    from mrl.tools.model_shape import shape_from_config
 
     path = str(make_tiny_hf_model("qwen3", tmp_path / "model", tokenizer=False, vocab_size=VOCAB))
     results = launch(run, 2, path, timeout_s=600)

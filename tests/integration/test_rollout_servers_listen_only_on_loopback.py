@@ -11,7 +11,7 @@ import pytest
 import ray
 from rollout_fixtures import *  # noqa: F403  (the shared fixtures: managers, models)
 
-from rollout_adapters.network import is_loopback
+from mrl.utils.network import is_loopback
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from trainer_fixtures import KeepsStepTensors, assert_no_token_data
 
-from mrl.config.loader import load_config
+from mrl.config.startup.loader import load_config
 from mrl.data.datasets import write_rows
 from mrl.models.tiny import make_tiny_hf_model
 from mrl.trainer.build import build_trainer, shutdown

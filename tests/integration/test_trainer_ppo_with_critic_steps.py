@@ -25,7 +25,7 @@ import pytest
 import torch
 from trainer_fixtures import KeepsStepTensors
 
-from mrl.config.loader import load_config
+from mrl.config.startup.loader import load_config
 from mrl.data.batch import Batch
 from mrl.data.datasets import write_rows
 from mrl.models.tiny import make_tiny_hf_model

@@ -22,7 +22,7 @@ import pytest
 import torch
 from trainer_fixtures import prompt_file
 
-from mrl.config.loader import load_config
+from mrl.config.startup.loader import load_config
 from mrl.models.tiny import make_tiny_hf_model
 from mrl.trainer import checkpointing
 from mrl.trainer.build import build_trainer, shutdown

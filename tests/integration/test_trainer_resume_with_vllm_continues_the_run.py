@@ -15,7 +15,7 @@ import pytest
 import torch
 from trainer_fixtures import prompt_file
 
-from mrl.config.loader import load_config
+from mrl.config.startup.loader import load_config
 from mrl.data.samples import put_sequences
 from mrl.models.tiny import make_tiny_hf_model
 from mrl.trainer import checkpointing

@@ -20,7 +20,7 @@ import pytest
 import ray
 from trainer_fixtures import prompt_file, trainer_gap
 
-from mrl.config.loader import load_config
+from mrl.config.startup.loader import load_config
 from mrl.models.tiny import make_tiny_hf_model
 from mrl.trainer.build import build_trainer, shutdown
 from mrl.trainer.ppo_trainer import PPOTrainer

@@ -15,7 +15,7 @@ import numpy as np
 import ray
 import torch
 
-from mrl.config.loader import load_config
+from mrl.config.startup.loader import load_config
 from mrl.data.batch import Batch
 from mrl.data.datasets import write_rows
 from mrl.data.samples import fetch, put_sequences

@@ -16,7 +16,7 @@ import pytest
 from test_config_rejects_invalid_settings import DENSE, INVALID, MOE, UNKNOWN
 
 from mrl import cli
-from mrl.config.loader import RECIPES_DIR
+from mrl.config.startup.loader import RECIPES_DIR
 from mrl.trainer import main as train_main
 
 ODD_VOCAB = {**DENSE, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 501}
@@ -288,7 +288,7 @@ WITH_TE = [
 @pytest.mark.parametrize(("overrides", "setting", "rule"), WITH_TE, ids=[c[1] for c in WITH_TE])
 def test_each_setting_te_layers_cannot_run_is_refused_before_any_process(paths, no_ray, capsys, monkeypatch,
                                                                          overrides, setting, rule):
-    from mrl.config import backend_rules
+    from mrl.config.startup import backend_rules
 
     monkeypatch.setattr(backend_rules, "transformer_engine_importable", lambda: True)
     _refused_in_one_line(paths, capsys, "tiny/grpo", BASE, overrides, setting, rule, True)

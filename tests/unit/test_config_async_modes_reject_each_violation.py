@@ -3,7 +3,7 @@ naming the setting and the rule, and `mrl train` raises it before Ray or any wor
 
 import pytest
 
-from mrl.config import ConfigError, load_config
+from mrl.config.startup import ConfigError, load_config
 
 VALID = ["model.path=unused"]  # tiny/grpo_separate_async: B = 16 = parameter_sync_step 2 × mini-batch 8
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from mrl.config.loader import load_config
-from mrl.config.validate import ConfigError
+from mrl.config import ConfigError
+from mrl.config.startup.loader import load_config
 
 VALID = ["model.path=unused", "actor.lora.enable=true"]
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from mrl.config import ConfigError, load_config
+from mrl.config.startup import ConfigError, load_config
 
 VALID = ["model.path=unused", "data.max_prompt_length=64", "data.max_response_length=16"]
 

@@ -4,7 +4,7 @@ slot's rollout server gets the same count."""
 
 import pytest
 
-from mrl.config import load_config
+from mrl.config.startup import load_config
 from mrl.workers import cpu_threads
 from mrl.workers.cpu_threads import worker_threads
 

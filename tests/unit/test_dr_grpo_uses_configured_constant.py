@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 
 from mrl.algo.aggregation import LossNormalizer, loss_counts
-from mrl.config import ConfigError, load_config
+from mrl.config.startup import ConfigError, load_config
 from mrl.workers.actor_rollout_ref import actor_loss_config, make_actor_loss_fn
 from mrl.workers.critic import make_value_loss_fn
 from mrl.workers.training_worker import loss_scale_factor

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mrl.config.loader import load_config
+from mrl.config import ConfigError
 from mrl.config.schema import LoRAConfig
-from mrl.config.validate import ConfigError
+from mrl.config.startup.loader import load_config
 from mrl.engine.megatron import lora_peft
 from rollout_adapters.vllm.adapter import engine_lora_rank
 

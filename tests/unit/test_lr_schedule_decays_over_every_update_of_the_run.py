@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 import mrl.engine.megatron.engine as engine_module
 import mrl.workers.critic as critic_module
-from mrl.config.loader import load_config
+from mrl.config.startup.loader import load_config
 from mrl.workers.actor_rollout_ref import ActorRolloutRefWorker
 from mrl.workers.critic import CriticWorker
 

@@ -95,7 +95,7 @@ def test_a_bucket_ends_early_when_its_staged_tensors_would_overflow_the_slot():
 
 
 def test_row_blocks_are_shared_as_views_of_linear_qkv_and_read_as_blocks_or_hf_tensors(monkeypatch):
-    import rollout_adapters.cuda_ipc as cuda_ipc
+    import mrl.weight_sync.cuda_ipc as cuda_ipc
 
     shape = ModelShape(num_heads=4, num_query_groups=2, head_dim=2)
     flat = torch.arange(2 * 8 * 3 + 8, dtype=torch.float32)  # Megatron's parameter buffer

@@ -7,9 +7,10 @@ from __future__ import annotations
 import torch
 
 from bridges.export import TpSlice
-from mrl.rollout.device_sync import SentBytes, device_sync_metrics, tp_slices_pair, workers_on_slots
+from mrl.rollout.device_sync import SentBytes, tp_slices_pair, workers_on_slots
 from mrl.rollout.replica import Footprint, server_rank
 from mrl.weight_sync.buckets import BucketReader, completed, fill_buckets
+from mrl.weight_sync.state_machine import device_sync_metrics
 from mrl.workers.cpu_threads import cores_per_rank
 
 

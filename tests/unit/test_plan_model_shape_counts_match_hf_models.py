@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from mrl.config.model_shape import builtin_configs, resolve_model_config, shape_from_config
 from mrl.models.tiny import FAMILIES, build_tiny_hf_model, tiny_hf_config
-from mrl.tools.model_shape import builtin_configs, resolve_model_config, shape_from_config
 from mrl.tools.plan import make_plan
 
 

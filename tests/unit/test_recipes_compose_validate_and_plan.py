@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from mrl.config.loader import RECIPES_DIR, load_config
-from mrl.tools.model_shape import builtin_configs
+from mrl.config.model_shape import builtin_configs
+from mrl.config.startup.loader import RECIPES_DIR, load_config
 from mrl.tools.plan import make_plan
 
 FAMILY_RECIPES = sorted(

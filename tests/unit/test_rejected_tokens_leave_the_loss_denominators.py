@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from mrl.algo.aggregation import LossNormalizer
-from mrl.config import load_config
+from mrl.config.startup import load_config
 from mrl.controller.mesh import DeviceMesh
 from mrl.data.jagged import JaggedTensor
 from mrl.data.samples import light_batch, payload

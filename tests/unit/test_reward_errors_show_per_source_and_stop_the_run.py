@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from mrl.config.loader import load_config
-from mrl.config.reward_rules import _reward_sources
+from mrl.config.startup.loader import load_config
+from mrl.config.startup.reward_rules import _reward_sources
 from mrl.data.datasets import RLDataset, write_rows
 from mrl.reward.errors import RewardErrorRateExceeded, RewardErrors
 from mrl.reward.evaluator import RewardEvaluator, RewardItem

@@ -13,7 +13,7 @@ from mrl.algo.rollout_correction import (
     correction_metrics,
     correction_stats,
 )
-from mrl.config import ConfigError, load_config
+from mrl.config.startup import ConfigError, load_config
 from mrl.workers.actor_rollout_ref import actor_loss_config, make_actor_loss_fn
 
 # ρ = π_old / π_rollout per token; row 1's third token is masked (its ρ = 100 must never matter)

@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from mrl.config import load_config
-from mrl.config.validate import ConfigError
+from mrl.config import ConfigError
+from mrl.config.engine_fields import SETTING_OF
+from mrl.config.startup import load_config
 from mrl.trainer.build import rollout_spec
-from rollout_adapters.fields import SETTING_OF
 from rollout_adapters.sglang import protocol
 from rollout_adapters.sglang.adapter import SGLangAdapter
 from rollout_adapters.trtllm.adapter import TRTLLMAdapter

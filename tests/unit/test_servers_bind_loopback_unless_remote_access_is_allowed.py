@@ -9,11 +9,12 @@ import re
 
 import pytest
 
-from mrl.config import ConfigError, MrlConfig, validate
+from mrl.config import ConfigError, MrlConfig
+from mrl.config.startup import validate
 from mrl.rollout.pd import PDSpec
 from mrl.rollout.pd_members import PDReplica
 from mrl.rollout.replica import ReplicaSpec, RolloutReplica
-from rollout_adapters.network import is_loopback, require_loopback
+from mrl.utils.network import is_loopback, require_loopback
 from rollout_adapters.sglang import protocol
 from rollout_adapters.sglang.adapter import SGLangAdapter
 

@@ -1,7 +1,7 @@
 """The tool demo's task: disjoint addition prompts, a reward on the answer after the last tool call, and warm-up
 examples rendered as the tool loop renders a trajectory (observations untrained)."""
 
-from mrl.data import tool_task
+from mrl.rollout.agent_loop import tool_task
 
 
 def test_rows_are_disjoint_sums_of_length_digit_numbers():

@@ -5,7 +5,7 @@ measured); the workers then read the rollout's log-probs wherever they ask for o
 
 from omegaconf import OmegaConf
 
-from mrl.config.loader import load_config
+from mrl.config.startup.loader import load_config
 from mrl.data.datasets import RLDataset
 from mrl.data.samples import light_batch
 from mrl.trainer.ppo_trainer import PPOTrainer, TrainerParts

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mrl.algo.advantages import AdvantageConfig
-from mrl.config import load_config
+from mrl.config.startup import load_config
 from mrl.data.batch import Batch
 from mrl.data.datasets import RLDataset
 from mrl.data.jagged import JaggedTensor

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from omegaconf import OmegaConf
 
-from mrl.config.loader import load_config
+from mrl.config.startup.loader import load_config
 from mrl.data.datasets import RLDataset
 from mrl.reward.evaluator import RewardResult
 from mrl.trainer.ppo_trainer import PPOTrainer, TrainerParts

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from mrl.config.model_shape import moe_layer_indices
 from mrl.data.samples import routed_experts
 from mrl.engine.megatron.routing import NOT_ROUTED
-from mrl.tools.model_shape import moe_layer_indices
 from rollout_adapters.vllm.routed_experts import routing_extra, to_routing
 
 LAYERS, K = 4, 2
@@ -131,7 +131,7 @@ def test_the_adapter_asks_vllm_for_routed_experts_only_on_cuda(tmp_path, monkeyp
 
 
 def test_start_up_allows_r3_with_vllm_on_cuda_only_without_pp_pd_or_the_fused_router():
-    from mrl.config import ConfigError, load_config
+    from mrl.config.startup import ConfigError, load_config
 
     base = ["model.path=unused", "data.max_prompt_length=64", "data.max_response_length=16", "rollout.name=vllm",
             "actor.megatron.router_replay=rollout"]

@@ -49,7 +49,7 @@ def make_task(out: Path) -> tuple[str, Path]:
 
 
 def run_mode(mode: str, model: str, data: Path, out: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
-    from mrl.config.loader import load_config
+    from mrl.config.startup.loader import load_config
     from mrl.trainer.build import build_trainer, shutdown
 
     cfg = load_config("tiny/grpo", [

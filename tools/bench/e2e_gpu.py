@@ -188,7 +188,7 @@ def main() -> None:
 
     import os
 
-    from mrl.config.loader import load_config
+    from mrl.config.startup.loader import load_config
     from mrl.trainer.main import init_ray
 
     # The direct engine starts in this process, which has initialised CUDA by then: its engine core must spawn.

@@ -82,7 +82,7 @@ def make_model(out: Path, size: str, length: int) -> tuple[str, list[dict], Any]
 
 
 def run_mrl(model: str, data: Path, args: argparse.Namespace) -> list[dict[str, float]]:
-    from mrl.config.loader import load_config
+    from mrl.config.startup.loader import load_config
     from mrl.trainer.build import build_trainer, shutdown
     from mrl.trainer.main import init_ray
 

@@ -118,7 +118,7 @@ def grpo_overrides(args: argparse.Namespace, shape: dict[str, Any], task: dict[s
 
 def run_grpo(args: argparse.Namespace, shape: dict[str, Any], task: dict[str, str], label: str, lr: float,
              seconds: float, out: Path) -> dict[str, Any]:
-    from mrl.config.loader import load_config
+    from mrl.config.startup.loader import load_config
     from mrl.trainer.build import train
 
     cfg = load_config("tiny/grpo", grpo_overrides(args, shape, task, label, lr, seconds, out))

@@ -27,7 +27,7 @@ KEPT = ("val/greedy_acc", "reward/mean", "staleness/mean", "rollout_corr/mismatc
 
 def run_one(paths: dict[str, Any], staleness: int, corrected: bool, seed: int, args: argparse.Namespace,
             out: Path) -> list[dict[str, Any]]:
-    from mrl.config.loader import load_config
+    from mrl.config.startup.loader import load_config
     from mrl.demo import REWARD_FN
     from mrl.trainer.build import build_trainer, shutdown
 

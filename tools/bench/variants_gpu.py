@@ -100,7 +100,7 @@ def main() -> None:
         variants = {name: variants[name] for name in names}
     shape = args.shape or preset["shape"]
 
-    from mrl.config.loader import load_config
+    from mrl.config.startup.loader import load_config
     from mrl.trainer.main import init_ray
 
     init_ray(num_cpus=16)

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-NOT_ROUTED = -1
+from mrl.data.samples import NOT_ROUTED  # the routing layout's filler, declared with the samples
+
 ROUTING_DTYPE = torch.int16  # 32k experts at most: compact in the sample store and over Ray
 
 

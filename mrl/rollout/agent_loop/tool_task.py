@@ -19,7 +19,7 @@ from typing import Any
 
 DATA_SOURCE = "mrl/tool_addition"
 TOOL = "mrl.rollout.agent_loop.python_tool:PythonTool"
-REWARD_FN = "mrl.data.tool_task:tool_answer_reward"
+REWARD_FN = "mrl.rollout.agent_loop.tool_task:tool_answer_reward"
 CALL = '<tool_call>{{"name":"python","arguments":{{"code":"print({expr})"}}}}</tool_call>'
 CLOSE = "</tool_call>"
 # Warm-up learning rate: at the reverse task's 3e-3 the model learned the call's format but not to copy the numbers

@@ -1,8 +1,8 @@
 """Start-up rules on single fields and on what lies beside the config: known keys, value ranges and shapes, where
 the rollout replicas go, data files, and the keys of the free-form dicts.
 
-Registered with `@rule` like those of `mrl/config/validate.py`, which imports this module, so `validate` runs them
-all. The keys and free-form dicts come from the schema's dataclasses, so fields added later are covered.
+Registered with `@rule` like those of validate.py, which imports this module, so `validate` runs them all. The
+keys and free-form dicts come from the schema's dataclasses, so fields added later are covered.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
-from mrl.config.validate import ENGINE_ROLES, Violation, rule
+from mrl.config.startup.validate import ENGINE_ROLES, Violation, rule
 
 # (setting, low, high, low included, high included); None: no bound. A None value is skipped (an optional field).
 RANGES: tuple[tuple[str, float | None, float | None, bool, bool], ...] = (

@@ -2,7 +2,7 @@
 and layouts, and the Megatron features that TransformerEngine layers do not support here yet. Each of these
 used to fail late (at the first sleep, the first weight sync, or after Ray had started the workers).
 
-Registered with `@rule` like those of `mrl/config/validate.py`, which imports this module.
+Registered with `@rule` like those of validate.py, which imports this module.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
-from mrl.config.validate import ENGINE_ROLES, Violation, rule
+from mrl.config.startup.validate import ENGINE_ROLES, Violation, rule
 
 # Why a hybrid replica of these backends cannot sleep at level 1 (rollout_adapters/*/adapter.py `_sleep`).
 NO_SLEEP_LEVEL_1 = {

@@ -4,7 +4,7 @@ import argparse
 
 from omegaconf import OmegaConf
 
-from mrl.config.loader import load_config
+from mrl.config.startup.loader import load_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

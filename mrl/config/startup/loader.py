@@ -12,11 +12,10 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 
+from mrl.config import RECIPES_DIR, ConfigError, Violation
 from mrl.config.keys import check_overrides, composition_violation
 from mrl.config.schema import register_configs
-from mrl.config.validate import ConfigError, Violation, validate
-
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+from mrl.config.startup.validate import validate
 
 
 class RecipeNotFound(ConfigError, FileNotFoundError):

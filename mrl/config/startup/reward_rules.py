@@ -1,7 +1,7 @@
 """Start-up rules on the reward: `reward.reward_fn` names a function that loads, and with "auto" every data_source
 of the data files has a registered one (an unknown source once fell back to math scoring: a run of silent zeros).
 
-Registered with `@rule` like those of `mrl/config/validate.py`, which imports this module.
+Registered with `@rule` like those of validate.py, which imports this module.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from collections.abc import Iterator
 
 from omegaconf import DictConfig
 
-from mrl.config.validate import Violation, rule
+from mrl.config.startup.validate import Violation, rule
 
 
 @rule
 def _reward_sources(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
-    from mrl.config.field_rules import DATA_SUFFIXES
+    from mrl.config.startup.field_rules import DATA_SUFFIXES
     from mrl.data.datasets import data_sources
     from mrl.reward.registry import REWARD_FNS, resolve_reward_fn
 

@@ -14,11 +14,12 @@ DeepSeek-V3's multi-token-prediction layers are left out, as the bridges leave t
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mrl.config.loader import RECIPES_DIR
+from mrl.config import RECIPES_DIR
 
 # Qwen2's attention always has q/k/v biases (the HF model hard-codes them, config.json does not say so).
 _QKV_BIAS_ALWAYS = {"qwen2"}
@@ -74,13 +75,13 @@ def _attention_params(c: dict[str, Any]) -> int:
     return params
 
 
-def _num_experts(c: dict[str, Any]) -> int:
+def num_experts(c: dict[str, Any]) -> int:
     # Spellings: Qwen3-MoE's published config, DeepSeek, and transformers 5's serialisation of Qwen3-MoE.
     return int(c.get("num_experts") or c.get("n_routed_experts") or c.get("num_local_experts") or 0)
 
 
 def _is_moe_layer(c: dict[str, Any], layer: int) -> bool:
-    if _num_experts(c) == 0:
+    if num_experts(c) == 0:
         return False
     if "first_k_dense_replace" in c:  # DeepSeek
         return layer >= c["first_k_dense_replace"] and layer % c.get("moe_layer_freq", 1) == 0
@@ -107,7 +108,7 @@ def _kv_bytes_per_token(c: dict[str, Any], layers: int) -> tuple[int, int]:
 def shape_from_config(c: dict[str, Any], name: str = "") -> ModelShape:
     h, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
     mlp = 3 * h * c.get("intermediate_size", 0)  # gate, up, down
-    experts, top_k = _num_experts(c), int(c.get("num_experts_per_tok") or 0)
+    experts, top_k = num_experts(c), int(c.get("num_experts_per_tok") or 0)
     expert_mlp = 3 * h * c.get("moe_intermediate_size", 0)
     shared = c.get("n_shared_experts") or 0
     router = h * experts  # DeepSeek's score-correction bias is a buffer, not a parameter
@@ -166,3 +167,49 @@ def resolve_model_config(model_path: str, model_config: str | None = None) -> tu
         f"no config.json for {wanted!r}: not an HF folder here, and no built-in shape of that name "
         f"(built-in: {sorted(p.stem for p in builtin.values())}); pass --model-config PATH_OR_NAME"
     )
+
+
+def pipeline_split_problem(layers: int, pp: int, vpp: int | None, overrides: Any) -> str | None:
+    """Megatron's rule for splitting `layers` over PP stages (× VPP chunks), with its uneven split: the first
+    and last stages may hold `num_layers_in_first/last_pipeline_stage` layers (override_transformer_config)
+    and the middle stages split the rest evenly."""
+    if pp < 1:
+        return None
+    chunks = vpp or 1
+    ends = [overrides.get(f"num_layers_in_{end}_pipeline_stage") for end in ("first", "last")]
+    if all(n is None for n in ends):
+        if layers % (pp * chunks):
+            return f"PP × VPP = {pp * chunks} model chunks must divide the model's {layers} layers"
+        return None
+    middle_layers = layers - sum(n for n in ends if n is not None)
+    middle_stages = pp - sum(n is not None for n in ends)
+    given = ", ".join(f"num_layers_in_{end}_pipeline_stage={n}" for end, n in zip(("first", "last"), ends)
+                      if n is not None)
+    if any(n is not None and (n < 1 or n % chunks) for n in ends) or bool(middle_layers) != bool(middle_stages) \
+            or (middle_stages and (middle_layers % middle_stages or middle_layers // middle_stages % chunks)):
+        return (f"with {given}, the other {middle_layers} of the model's {layers} layers must split evenly over "
+                f"the {middle_stages} middle stage(s) (each stage's layers a multiple of VPP = {chunks})")
+    return None
+
+
+def layout_shape_problems(hf: dict[str, Any], tp: int, pp: int, vpp: int | None, ep: int,
+                          overrides: Any = None) -> Iterator[tuple[str, str]]:
+    """(layout knob, rule) for each way a Megatron layout does not fit the model's HF config: TP over heads,
+    key-value heads and the vocabulary (Megatron splits embedding rows evenly, no padding here), PP × VPP over
+    layers, EP over routed experts. Shared by the start-up rules and `mrl convert`."""
+    heads = int(hf.get("num_attention_heads", 1))
+    kv_heads = int(hf.get("num_key_value_heads") or heads)
+    layers, experts, vocab = int(hf.get("num_hidden_layers", 1)), num_experts(hf), hf.get("vocab_size")
+    # Fewer key-value heads than TP ranks: megatron-core 0.19 all-gathers the QKV projection and each rank takes
+    # its group, so TP must be a multiple of the KV heads (bridges/mapping.py FusedQKV).
+    if tp >= 1 and (heads % tp or (kv_heads % tp and tp % kv_heads)):
+        yield "tensor_model_parallel_size", (f"must divide the model's attention heads ({heads}) and key-value "
+                                             f"heads ({kv_heads}), or be a multiple of the key-value heads")
+    elif tp > 1 and vocab and vocab % tp:
+        yield "tensor_model_parallel_size", f"must divide the model's vocabulary ({vocab} tokens)"
+    split = pipeline_split_problem(layers, pp, vpp, overrides or {})
+    if split and not (pp == 1 and (vpp or 1) > 1):  # VPP without PP: its own line
+        yield "pipeline_model_parallel_size", split
+    if ep > 1 and (experts == 0 or experts % ep):
+        yield "expert_model_parallel_size", (f"must divide the model's routed experts ({experts})" if experts else
+                                             "the model has no experts (dense): expert parallel needs an MoE model")

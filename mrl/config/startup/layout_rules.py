@@ -1,0 +1,114 @@
+"""Start-up rules of the parallel layout: Megatron's TP / PP / VPP / CP / EP over the trainer's devices, the engine
+knobs that depend on it, and every parallel size against the model's shape (heads, key-value heads, vocabulary,
+layers per stage, routed experts) for the trainer's roles and the rollout engines. Registered with `@rule`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from omegaconf import DictConfig
+
+from mrl.config.model_shape import layout_shape_problems, num_experts
+from mrl.config.startup.validate import (
+    ENGINE_ROLES,
+    PARALLEL_SIZES,
+    Violation,
+    _get,
+    _one_of,
+    hf_config,
+    rule,
+    trainer_world_size,
+)
+
+DTYPES = ("float32", "bfloat16", "float16")
+RECOMPUTE = (None, "full", "selective")
+
+
+@rule
+def _megatron_layout(cfg: DictConfig, _: bool) -> Iterator[Violation]:
+    world = trainer_world_size(cfg)
+    for role in ENGINE_ROLES:
+        m = f"{role}.megatron"
+        tp, pp, cp, ep = (_get(cfg, f"{m}.{key}") for key in PARALLEL_SIZES)
+        if min(tp, pp, cp, ep) < 1 or world < 1:
+            continue  # reported by _positive_sizes
+        if world % (tp * pp * cp):
+            yield Violation(f"{m}.tensor_model_parallel_size", tp,
+                            f"TP×PP×CP = {tp}×{pp}×{cp} must divide the trainer's devices "
+                            f"(resources.nnodes × resources.n_gpus_per_node = {world})")
+        etp = _get(cfg, f"{m}.expert_tensor_parallel_size") or tp
+        tp_named = world % (tp * pp * cp) and _get(cfg, f"{m}.expert_tensor_parallel_size") is None
+        if (world // pp) % (ep * etp) and not tp_named:  # an ETP inherited from a bad TP is that TP's line
+            yield Violation(f"{m}.expert_model_parallel_size", ep,
+                            f"EP×ETP = {ep}×{etp} must divide the devices of one pipeline stage ({world // pp})")
+        vpp = _get(cfg, f"{m}.virtual_pipeline_model_parallel_size")
+        if vpp is not None and vpp > 1 and pp == 1:
+            yield Violation(f"{m}.virtual_pipeline_model_parallel_size", vpp,
+                            "virtual pipeline stages need pipeline_model_parallel_size > 1")
+
+
+@rule
+def _engine_knobs(cfg: DictConfig, _: bool) -> Iterator[Violation]:
+    for role in ENGINE_ROLES:
+        m = f"{role}.megatron"
+        yield from _one_of(cfg, f"{m}.params_dtype", DTYPES)
+        yield from _one_of(cfg, f"{m}.recompute_granularity", RECOMPUTE)
+        if _get(cfg, f"{m}.sequence_parallel") and _get(cfg, f"{m}.tensor_model_parallel_size") == 1:
+            yield Violation(f"{m}.sequence_parallel", True, "sequence parallel splits activations over TP ranks: "
+                                                            "it needs tensor_model_parallel_size > 1")
+    kl = _get(cfg, "actor.use_kl_loss") or _get(cfg, "algorithm.use_kl_in_reward")
+    if kl and not _get(cfg, "actor.lora.enable"):
+        # The reference engine lives in the actor's processes, and Megatron's parallel state is per process.
+        # (LoRA builds none: the reference is the actor with its adapters off.)
+        for key in (*PARALLEL_SIZES, "virtual_pipeline_model_parallel_size", "expert_tensor_parallel_size"):
+            ref, actor = _get(cfg, f"ref.megatron.{key}"), _get(cfg, f"actor.megatron.{key}")
+            if ref != actor:
+                yield Violation(f"ref.megatron.{key}", ref, f"the reference policy shares the actor's processes "
+                                                           f"and parallel layout: set it to the actor's ({actor})")
+    if not _get(cfg, "actor.use_dynamic_bsz"):
+        micro = _get(cfg, "actor.ppo_micro_batch_size_per_gpu")
+        if micro is None or micro < 1:
+            yield Violation("actor.ppo_micro_batch_size_per_gpu", micro,
+                            "must be >= 1 when actor.use_dynamic_bsz is false (micro-batches by sample count)")
+    else:
+        budget, longest = (_get(cfg, "actor.ppo_max_token_len_per_gpu"),
+                           _get(cfg, "data.max_prompt_length") + _get(cfg, "data.max_response_length"))
+        if budget < longest:
+            yield Violation("actor.ppo_max_token_len_per_gpu", budget,
+                            f"a micro-batch budget must hold the longest sample (data.max_prompt_length + "
+                            f"data.max_response_length = {longest} tokens)")
+
+
+@rule
+def _model_shape(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
+    hf = hf_config(cfg, check_paths)
+    if hf is None:
+        return
+    if _get(cfg, "model.bridge_backend") == "mrl":
+        from bridges.registry import architectures
+
+        arch = (hf.get("architectures") or [None])[0]
+        if arch not in architectures():
+            yield Violation("model.path", _get(cfg, "model.path"), f"its architecture {arch!r} has no bridge; "
+                                                                    f"known: {', '.join(architectures())}")
+    heads, experts = int(hf.get("num_attention_heads", 1)), num_experts(hf)
+    for role in ENGINE_ROLES:
+        m = f"{role}.megatron"
+        tp, pp, vpp, ep = (_get(cfg, f"{m}.{k}") for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                                           "virtual_pipeline_model_parallel_size",
+                                                           "expert_model_parallel_size"))
+        for knob, why in layout_shape_problems(hf, tp, pp, vpp, ep, _get(cfg, f"{m}.override_transformer_config")):
+            yield Violation(f"{m}.{knob}", _get(cfg, f"{m}.{knob}"), why)
+        if experts and tp > 1 and not _get(cfg, f"{m}.sequence_parallel"):
+            yield Violation(f"{m}.sequence_parallel", False, "Megatron needs sequence parallel for MoE with TP > 1")
+    rollout_tp = _get(cfg, "rollout.tensor_model_parallel_size")
+    if rollout_tp >= 1 and heads % rollout_tp:
+        yield Violation("rollout.tensor_model_parallel_size", rollout_tp,
+                        f"must divide the model's attention heads ({heads})")
+    context = hf.get("max_position_embeddings")
+    longest = _get(cfg, "data.max_prompt_length") + _get(cfg, "data.max_response_length")
+    if context and longest > context:
+        yield Violation("data.max_response_length", _get(cfg, "data.max_response_length"),
+                        f"max_prompt_length + max_response_length = {longest} exceeds the model's context "
+                        f"(max_position_embeddings = {context})")
