@@ -123,3 +123,20 @@ def _rollout_correction(cfg: DictConfig, _: bool) -> Iterator[Violation]:
                         "algorithm.rollout_correction weighs π_old against π_rollout; in bypass mode π_old is the "
                         "rollout's log-probs, so every weight is 1: set rollout.recompute_old_log_prob=true or turn "
                         "the correction off")
+
+
+# Estimators whose advantage is a sample's reward against its group's (mean, leave-one-out or batch baseline of
+# group-centred rewards): identical samples make every advantage 0 and no gradient moves a weight.
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+
+
+@rule
+def _greedy_groups(cfg: DictConfig, _: bool) -> Iterator[Violation]:
+    estimator, n = _get(cfg, "algorithm.adv_estimator"), _get(cfg, "rollout.n")
+    if estimator not in GROUP_ESTIMATORS or n <= 1:
+        return
+    for setting, greedy in (("rollout.temperature", 0), ("rollout.top_k", 1)):
+        if _get(cfg, setting) == greedy:
+            yield Violation(setting, greedy, f"greedy sampling gives a prompt's rollout.n={n} samples one response, "
+                                             f"so {estimator}'s group advantages are all 0: sample (temperature > 0, "
+                                             "top_k -1 or > 1)")

@@ -92,7 +92,7 @@ def _model_shape(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
         if arch not in architectures():
             yield Violation("model.path", _get(cfg, "model.path"), f"its architecture {arch!r} has no bridge; "
                                                                     f"known: {', '.join(architectures())}")
-    heads, experts = int(hf.get("num_attention_heads", 1)), num_experts(hf)
+    experts = num_experts(hf)
     for role in ENGINE_ROLES:
         m = f"{role}.megatron"
         tp, pp, vpp, ep = (_get(cfg, f"{m}.{k}") for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -102,13 +102,28 @@ def _model_shape(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
             yield Violation(f"{m}.{knob}", _get(cfg, f"{m}.{knob}"), why)
         if experts and tp > 1 and not _get(cfg, f"{m}.sequence_parallel"):
             yield Violation(f"{m}.sequence_parallel", False, "Megatron needs sequence parallel for MoE with TP > 1")
-    rollout_tp = _get(cfg, "rollout.tensor_model_parallel_size")
-    if rollout_tp >= 1 and heads % rollout_tp:
-        yield Violation("rollout.tensor_model_parallel_size", rollout_tp,
-                        f"must divide the model's attention heads ({heads})")
+    engine_tps = ["rollout.tensor_model_parallel_size"]
+    if _get(cfg, "rollout.pd.enabled"):
+        engine_tps += ["rollout.pd.prefill_tp", "rollout.pd.decode_tp"]
+    for setting in engine_tps:
+        yield from _engine_tp(setting, _get(cfg, setting), hf)
     context = hf.get("max_position_embeddings")
     longest = _get(cfg, "data.max_prompt_length") + _get(cfg, "data.max_response_length")
     if context and longest > context:
         yield Violation("data.max_response_length", _get(cfg, "data.max_response_length"),
                         f"max_prompt_length + max_response_length = {longest} exceeds the model's context "
                         f"(max_position_embeddings = {context})")
+
+
+def _engine_tp(setting: str, tp: int, hf: dict) -> Iterator[Violation]:
+    """An inference engine's TP over the model's heads; with fewer key-value heads than ranks the engines
+    replicate them (vLLM, SGLang), so TP must divide the KV heads or be a multiple of them."""
+    heads = int(hf.get("num_attention_heads", 1))
+    kv_heads = int(hf.get("num_key_value_heads") or heads)
+    if tp < 1:
+        return
+    if heads % tp:
+        yield Violation(setting, tp, f"must divide the model's attention heads ({heads})")
+    elif kv_heads % tp and tp % kv_heads:
+        yield Violation(setting, tp, f"must divide the model's key-value heads ({kv_heads}) or be a multiple of them "
+                                     "(each rank holds whole KV heads)")
