@@ -491,7 +491,8 @@ class TrainerConfig:
     # Passes over the training prompts, used when total_training_steps is None.
     total_epochs: int = 1
     # Wall-clock budget of fit() in seconds (None: none): no step starts after it has passed, and the step that
-    # crosses it validates (when test_freq > 0) so the run ends on a measured point, as a scheduler's limit would not.
+    # crosses it validates (when test_freq > 0) so the run ends on a measured point, as a scheduler's limit would not;
+    # with save_freq > 0 that step is saved, so a later run with resume_mode auto goes on from it.
     time_limit_s: float | None = None
     # Seed of the run (sampling seeds, initialisation).
     seed: int = 1

@@ -103,7 +103,7 @@ class PPOTrainer:
         if self.resume() is None and self.sleeps_rollout:
             self.give_devices_to_rollout()  # the first generation runs beside no training state
         if self.config.trainer.val_before_train and self.parts.val_data is not None:
-            self.logger.log(0, self.validate())
+            self.logger.log(self.global_steps, self.validate())  # a resumed run measures where it resumed
         while self.global_steps < self.config.trainer.total_training_steps and not self.out_of_time():
             self.logger.log(self.global_steps + 1, self.step())
         return self.logger.history
@@ -170,7 +170,9 @@ class PPOTrainer:
         """What ends every step, trained or skipped: a checkpoint when due, the weight sync (replicas that slept get
         their weights back), validation when due, timings, and throughput of the trained `batch`."""
         c, t = self.config, self.timer
-        if checkpointing.due(self.global_steps, c.trainer.save_freq, c.trainer.total_training_steps):
+        # A run cut by trainer.time_limit_s saves its last step too, so the next run resumes where it stopped.
+        last = self.out_of_time() and c.trainer.save_freq > 0
+        if last or checkpointing.due(self.global_steps, c.trainer.save_freq, c.trainer.total_training_steps):
             with t("save_checkpoint"):
                 self.save_checkpoint()
         with t("update_weights"):

