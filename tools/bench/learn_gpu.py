@@ -62,7 +62,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         model=dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
                    num_key_value_heads=4),
         dtype="bfloat16", chain=(15, 19), max_value=9, n_train=50_000, n_val=256, flaw_rate=0.7,
-        short=((3, 14), 50_000),
+        short=((3, 14), 30_000),
         sft=dict(steps=3000, batch_size=128, lr=1e-3, eval_every=50, max_new_tokens=320, dense_eval_below_loss=0.05,
                  dense_eval_every=10),
         grpo=dict(batch=64, n=8, mini=16, lr=2e-4, response=1024, micro_tokens=32768, memory=0.15),
