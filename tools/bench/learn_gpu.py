@@ -33,11 +33,13 @@ import math
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 REWARD_FN = "mrl.data.chain_reward:score"
 SFT_EVAL_ROWS = 128
+STAGGER_S = 15.0  # between the starts of side-by-side runs
 # Per shape: the model, the task's chain lengths and sizes, the warm-up and the GRPO batch.
 SHAPES: dict[str, dict[str, Any]] = {
     "smoke": dict(
@@ -60,10 +62,10 @@ SHAPES: dict[str, dict[str, Any]] = {
         model=dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
                    num_key_value_heads=4),
         dtype="bfloat16", chain=(15, 19), max_value=9, n_train=50_000, n_val=256, flaw_rate=0.7,
-        short=((3, 14), 50_000),
+        short=((3, 14), 30_000),
         sft=dict(steps=3000, batch_size=128, lr=1e-3, eval_every=50, max_new_tokens=320, dense_eval_below_loss=0.05,
                  dense_eval_every=10),
-        grpo=dict(batch=64, n=8, mini=16, lr=2e-4, response=1024, micro_tokens=32768, memory=0.4),
+        grpo=dict(batch=64, n=8, mini=16, lr=2e-4, response=1024, micro_tokens=32768, memory=0.15),
     ),
 }
 
@@ -96,10 +98,13 @@ def side_by_side(runs: list[Run], out: Path, task_folder: Path) -> None:
     """Each run in a process (and Ray cluster) of its own, all at once on the same device: a 0.1B model's step is
     mostly latency, so runs that share the GPU each go almost as fast as one alone, and one lease holds them all."""
     argv = [a for a in sys.argv[1:] if a not in ("--side-by-side",)]
-    children = [subprocess.Popen([sys.executable, __file__, *argv, "--task", str(task_folder), "--only", run.label,
-                                  "--stages", "grpo", "control"],
-                                 stdout=open(out / f"{run.label}.log", "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
-                for run in runs]
+    children = []
+    for i, run in enumerate(runs):
+        if i:  # engines that profile their memory at the same instant would count each other's allocations
+            time.sleep(STAGGER_S)
+        children.append(subprocess.Popen(
+            [sys.executable, __file__, *argv, "--task", str(task_folder), "--only", run.label, "--stages", "grpo",
+             "control"], stdout=open(out / f"{run.label}.log", "w"), stderr=subprocess.STDOUT))  # noqa: SIM115
     for run, child in zip(runs, children):
         print(f"[learn] {run.label}: pid {child.pid}, log {out / f'{run.label}.log'}", flush=True)
     codes = [child.wait() for child in children]
@@ -128,9 +133,10 @@ def warmup(args: argparse.Namespace, shape: dict[str, Any], out: Path) -> dict[s
         short = chain_rows(count, 0, low, high, seed=args.seed + 1000, max_value=shape["max_value"],
                            flaw_rate=shape["flaw_rate"])[0]
     tokenizer = char_tokenizer()
-    init = make_tiny_hf_model("qwen2", out / "init", seed=args.seed, tokenizer=tokenizer, init_std=0.02,
-                              dtype=getattr(torch, shape["dtype"]), max_position_embeddings=2048,
-                              tie_word_embeddings=True, **shape["model"])
+    # --init: go on from an earlier warm-up's model (a device call caps one warm-up's minutes).
+    init = Path(args.init) if args.init else make_tiny_hf_model(
+        "qwen2", out / "init", seed=args.seed, tokenizer=tokenizer, init_std=0.02, dtype=getattr(torch, shape["dtype"]),
+        max_position_embeddings=2048, tie_word_embeddings=True, **shape["model"])
     # A random last value scores one answer in max_value + 1: a warm-up at that level has not learned the chain.
     chance = 1 / (shape["max_value"] + 1)
     stop_at = args.stop_at if args.stop_at is not None else max(0.15, chance + 0.10)
@@ -227,6 +233,7 @@ def main() -> None:
                         help="warm-up: stop once held-out accuracy >= this (default: the larger of 0.15 and the "
                              "chance level, one answer in max_value + 1, plus 0.10)")
     parser.add_argument("--warmup-seconds", type=float, default=150.0)
+    parser.add_argument("--init", help="warm up from this HF folder (an earlier warm-up's) instead of random weights")
     parser.add_argument("--lr", type=float, default=None, help="GRPO learning rate (default: the shape's)")
     parser.add_argument("--temperature", type=float, default=1.0, help="rollout.temperature")
     parser.add_argument("--grpo-runs", nargs="+", metavar="SEED:T",
