@@ -6,8 +6,9 @@
 # also, when named: genlayers, the generation gap layer by layer at the 1.5B shape, tools/bench/gen_overhead.py;
 # corr and lora, tools/bench/variants_gpu.py's presets; moe, R3 with vLLM; onecopy, weight_sync.one_copy's tests
 # and its 7B bench; chain, learning at model scale: tools/bench/learn_gpu.py's warm-up, then three GRPO runs and the
-# lr-0 control side by side, then
-# the GPU learning test from the same task, docs/learning.md). STAGE:SECONDS overrides a stage's time limit (a tight device lease);
+# lr-0 control side by side, then the GPU learning test from the same task, docs/learning.md; fp8,
+# rollout.quantization=fp8: its sync read-back test, then tools/bench/e2e_gpu.py at 1.5B with and without it in one
+# run, docs/fp8.md). STAGE:SECONDS overrides a stage's time limit (a tight device lease);
 # ARGS_<stage> in the environment is appended to the stage's command, e.g. ARGS_corr="--only off,decoupled".
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -35,9 +36,10 @@ declare -A CMD=(
   [moe]="python3 -m pytest $T/test_moe_r3_with_vllm_routes_like_the_engine.py -q -s --timeout=480"
   [onecopy]="python3 -m pytest $T/test_weight_sync_one_copy_lands_bit_for_bit_in_vllm.py $T/test_hybrid_one_copy_sync_lands_bit_for_bit.py -q -s --timeout=300; python3 tools/bench/weight_sync.py --one-copy --buckets-mb 2048,4096 --variants one,two --repeats 3 --vllm-bucket-mb 4096 --out $DIR/ws_one_copy.json"
   [chain]="python3 tools/bench/learn_gpu.py --shape 0.1b --out $DIR/learn --stages warmup --warmup-seconds 480 --stop-at 0.2 && python3 tools/bench/learn_gpu.py --shape 0.1b --out $DIR/learn --stages grpo control --grpo-runs 1:1 2:1 1:0.7 --side-by-side --grpo-seconds 900 --control-seconds 900; MRL_LEARN_TASK=$DIR/learn/task MRL_LEARN_OUT=$DIR/learn_test python3 -m pytest $T/test_grpo_learns_the_chain_task_beyond_its_control_on_gpu.py -q -s --timeout=900"
+  [fp8]="python3 -m pytest $T/test_fp8_rollout_engine_holds_the_quantised_export_after_every_sync.py -q -s --timeout=400; python3 tools/bench/e2e_gpu.py --shapes 1.5b --quantizations none fp8 --no-warm-start --json $DIR/e2e_fp8.json"
   [engine]="python3 -m pytest $T/test_bridge_export_matches_hf_on_cuda.py $T/test_engine_sdpa_attention_loss_matches_local_spec_on_cuda.py $T/test_engine_tp1_on_gpu_matches_hf.py $T/test_weight_sync_cuda_ipc_delivers_bit_identical_stream.py -q --timeout=300"
 )
-declare -A LIMIT=([sleep]=300 [learn]=600 [bench05]=480 [peak]=600 [async]=400 [bench15]=600 [engine]=300 [genlayers]=600 [corr]=600 [lora]=600 [moe]=480 [onecopy]=600 [chain]=2400)
+declare -A LIMIT=([sleep]=300 [learn]=600 [bench05]=480 [peak]=600 [async]=400 [bench15]=600 [engine]=300 [genlayers]=600 [corr]=600 [lora]=600 [moe]=480 [onecopy]=600 [chain]=2400 [fp8]=1800)
 STAGES=("$@"); [[ ${#STAGES[@]} == 0 ]] && STAGES=(sleep learn bench05 peak async bench15 engine)
 for named in "${STAGES[@]}"; do
   stage=${named%%:*}; limit=${LIMIT[$stage]}; [[ $named == *:* ]] && limit=${named##*:}

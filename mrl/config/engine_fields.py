@@ -16,6 +16,7 @@ SETTING_OF: dict[str, dict[str, str]] = {
     "vllm": {
         "model": "model.path",
         "dtype": "rollout.dtype",
+        "quantization": "rollout.quantization",
         "max_model_len": CONTEXT,
         "tensor_parallel_size": "rollout.tensor_model_parallel_size",
         "pipeline_parallel_size": "rollout.pipeline_model_parallel_size",

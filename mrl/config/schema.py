@@ -298,6 +298,11 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     # Engine dtype (float32, bfloat16, float16); None: actor.megatron.params_dtype, the dtype the sync sends.
     dtype: str | None = None
+    # Weights the engine generates with: null (rollout.dtype) or fp8 (vllm only: blockwise FP8, 128×128 blocks with
+    # one fp32 scale each; the trainer quantises each linear weight as the sync sends it, norms, embeddings, the
+    # output layer and routers stay in rollout.dtype; the engine starts from a block-FP8 copy of model.path in the
+    # system temp folder; docs/fp8.md).
+    quantization: str | None = None
     # Reuse the KV cache of shared prompt prefixes (vLLM prefix caching, SGLang radix cache, TensorRT-LLM block
     # reuse); the cache is cleared after every weight sync, so hits are within one version's requests.
     enable_prefix_caching: bool = True

@@ -94,6 +94,8 @@ class ReplicaSpec:
     return_routed_experts: bool = False
     # Serve LoRA adapters up to this rank (actor.lora.sync=adapter); None: the engine starts without LoRA.
     lora_rank: int | None = None
+    # Weights the engine generates with (rollout.quantization): None, or "fp8" (vllm only).
+    quantization: str | None = None
 
     def server_env(self) -> dict[str, str]:
         """Environment of the server process: the defaults, the engine's listening address, then `env`."""
@@ -123,6 +125,7 @@ class ReplicaSpec:
             # Only when asked: backends without the capability refuse the setting by name.
             **({"return_routed_experts": True} if self.return_routed_experts else {}),
             **({"lora_rank": self.lora_rank} if self.lora_rank is not None else {}),
+            **({"quantization": self.quantization} if self.quantization is not None else {}),
         }
 
 

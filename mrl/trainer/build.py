@@ -55,6 +55,7 @@ def rollout_spec(c: MrlConfig) -> ReplicaSpec:
         allow_remote_access=r.allow_remote_access,
         return_routed_experts=c.actor.megatron.router_replay == "rollout",
         lora_rank=c.actor.lora.rank if c.actor.lora.enable and c.actor.lora.sync == "adapter" else None,
+        quantization=r.quantization,
     )
 
 

@@ -16,6 +16,7 @@ Token fields are jagged and aligned with `input_ids` (prompt + response): `respo
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -300,7 +301,7 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
                                                                                  trainer_tp)
             # one copy: the sender shares fused QKV's q/k/v as row blocks of the trainer's memory (no export copy)
             blocks = ws.one_copy and torch.cuda.is_available()
-            stream = self.actor.engine.export_weights(tp_slices=slices, row_blocks=blocks)
+            stream = self._quantized(self.actor.engine.export_weights(tp_slices=slices, row_blocks=blocks))
             return sync_per_device(self.rollout, stream, global_steps, ws.bucket_size_mb << 20, ws.timeout_s,
                                    **ws.sender_kwargs())
         stream = self.actor.engine.export_weights()
@@ -308,12 +309,22 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
             from mrl.rollout.device_sync import SentBytes
 
             sent = SentBytes(receivers=["rollout"])
-            counts = self.rollout.update_weights(sent.count(stream), global_steps, ws.bucket_size_mb << 20,
+            stream = sent.count(self._quantized(stream))  # bytes as sent: FP8 ones with rollout.quantization=fp8
+            counts = self.rollout.update_weights(stream, global_steps, ws.bucket_size_mb << 20,
                                                  transport=ws.transport, timeout_s=ws.timeout_s, **ws.sender_kwargs())
             return {**sent.metrics(), "replica_tensors": counts}
         for _ in stream:
             pass
         return {}
+
+    def _quantized(self, stream: Iterator[tuple]) -> Iterator[tuple]:
+        """The export as the engine loads it: with rollout.quantization=fp8 each linear weight becomes block-FP8
+        bytes and scales, quantised here on the trainer's device tensor by tensor (mrl/weight_sync/fp8.py)."""
+        if self.config.rollout.quantization != "fp8":
+            return stream
+        from mrl.weight_sync.fp8 import quantized_stream
+
+        return quantized_stream(stream)
 
     def _sync_adapter(self, version: int) -> dict[str, Any]:
         """actor.lora.sync=adapter: every rank joins the adapters' gather; rank 0 writes them as a PEFT folder

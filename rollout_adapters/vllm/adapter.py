@@ -76,14 +76,23 @@ class VLLMAdapter(RolloutAdapter):
         allow_remote_access: bool = False,
         lora_rank: int | None = None,
         return_routed_experts: bool = False,
+        quantization: str | None = None,
     ) -> None:
         super().__init__(max_model_len)
         import torch
 
+        if quantization not in (None, "fp8"):
+            raise ValueError(f"rollout.quantization={quantization!r}: the vllm adapter runs null or fp8")
+        # fp8: the engine starts from a block-FP8 copy of the model (written by `start`) and every weight sync
+        # brings quantised tensors (mrl/weight_sync/fp8.py, docs/fp8.md).
+        self.source_model = model_path
+        if quantization is not None:
+            model_path = fp8_copy_path(model_path)
+
         on_gpu = torch.cuda.is_available()
         # Router replay R3: the layers of the engine's per-token routing that mrl keeps (rollout_adapters/vllm/
         # routed_experts.py); None returns no routing.
-        self.moe_layers = routed_moe_layers(model_path, on_gpu) if return_routed_experts else None
+        self.moe_layers = routed_moe_layers(self.source_model, on_gpu) if return_routed_experts else None
         # Sleep mode needs vLLM's CUDA memory pool; on CPU sleep/wake are no-ops and only the state is tracked.
         self.sleep_mode = on_gpu if enable_sleep_mode is None else enable_sleep_mode
         engine_kwargs = dict(engine_kwargs or {})
@@ -114,6 +123,7 @@ class VLLMAdapter(RolloutAdapter):
         self.engine_args = dict(
             model=model_path,
             dtype=dtype,
+            quantization=quantization,
             max_model_len=max_model_len,
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
@@ -147,6 +157,10 @@ class VLLMAdapter(RolloutAdapter):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        if self.engine_args["quantization"] is not None:
+            from mrl.weight_sync.fp8 import write_quantized_copy
+
+            await asyncio.to_thread(write_quantized_copy, self.source_model, self.engine_args["model"])
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
 
     async def _generate(
@@ -282,3 +296,18 @@ def routed_moe_layers(model_path: str, on_gpu: bool) -> list[int]:
     if not layers:
         raise ValueError(f"return_routed_experts: {model_path} has no MoE layer; router replay needs an MoE model")
     return layers
+
+
+def fp8_copy_path(model_path: str) -> str:
+    """Where the block-FP8 copy of `model_path` lives: the system temp folder's mrl-fp8/, one folder per model
+    state (its real path and its files' sizes and times), so the engines of one node share a copy and a changed
+    model gets a new one."""
+    import hashlib
+    import os
+    import tempfile
+
+    source = os.path.realpath(model_path)
+    files = sorted(os.scandir(source), key=lambda e: e.name) if os.path.isdir(source) else []
+    state = [source] + [f"{e.name}:{e.stat().st_size}:{e.stat().st_mtime_ns}" for e in files if e.is_file()]
+    key = hashlib.sha1("\n".join(state).encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), "mrl-fp8", f"{os.path.basename(source)}-{key}")

@@ -2,8 +2,10 @@
 q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` (their `stacked_params_mapping`), stacked along the
 output dimension in that order, pad the vocabulary rows of embeddings to a multiple of 64, and hold every tensor
 in the engine's dtype: a bf16 trainer's RMSNorm weights are fp32 (Megatron's local spec builds torch's RMSNorm
-without params_dtype), so the engine keeps their bf16 rounding. Used to check, bit for bit, that a weight sync
-delivered the export (tests/gpu)."""
+without params_dtype), so the engine keeps their bf16 rounding. With rollout.quantization=fp8 the export is the
+quantised stream (mrl/weight_sync/fp8.py): e4m3 weights and their fp32 `weight_scale_inv` blocks, which vLLM's
+block-FP8 layers keep as sent (fused like the weights: every fused part is whole 128-row blocks). Used to check,
+bit for bit, that a weight sync delivered the export (tests/gpu)."""
 
 from __future__ import annotations
 
@@ -33,7 +35,13 @@ def mismatched_params(engine: dict[str, torch.Tensor], hf: dict[str, torch.Tenso
         got, want = engine[name], expected[name]
         if got.shape != want.shape and got.shape[1:] == want.shape[1:] and got.shape[0] >= want.shape[0]:
             got = got[: want.shape[0]]  # vocabulary rows padded for the engine's kernels
-        want = want.to(got.dtype)  # what the engine's loader stores (a copy into its parameter)
-        if got.shape != want.shape or not torch.equal(got, want):
+        if want.dtype != torch.float8_e4m3fn:  # FP8 bytes are stored as sent
+            want = want.to(got.dtype)  # what the engine's loader stores (a copy into its parameter)
+        if got.shape != want.shape or got.dtype != want.dtype or not same_bits(got, want):
             bad.append(name)
     return bad
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bytes (torch.equal has no FP8 kernel for every case, and calls NaN unequal and -0 equal to 0)."""
+    return torch.equal(a.contiguous().flatten().view(torch.uint8), b.contiguous().flatten().view(torch.uint8))

@@ -1,9 +1,9 @@
 """Each weight-sync transport (ipc over shared memory on CPU, nccl over gloo, disk) carries a stream of assorted
-dtypes and shapes, one tensor larger than a bucket, a strided view and an empty tensor, from a sender to two
-receiver processes bit for bit, and in the order sent; with small buckets both buffers are reused many times. A
-receiver that never joins makes the sender fail within `timeout_s`, naming the stage, the missing rank and the
-knob; a receiver that fails makes the sender stop at once with the receiver's error. The control store listens on
-loopback only."""
+dtypes and shapes (a block-FP8 weight larger than a bucket and its scales among them: rollout.quantization=fp8),
+one tensor larger than a bucket, a strided view and an empty tensor, from a sender to two receiver processes bit for
+bit, and in the order sent; with small buckets both buffers are reused many times. A receiver that never joins
+makes the sender fail within `timeout_s`, naming the stage, the missing rank and the knob; a receiver that fails
+makes the sender stop at once with the receiver's error. The control store listens on loopback only."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mrl.weight_sync import TRANSPORTS, WeightSyncPeerError, WeightSyncTimeout, make_sender, receive_into
+from mrl.weight_sync.fp8 import quantize
 
 pytestmark = pytest.mark.integration
 
@@ -21,6 +22,7 @@ BUCKET = 4096
 
 def stream() -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
+    fp8, scale = quantize(torch.randn(130, 40, generator=g).to(torch.bfloat16))  # 5200 bytes: split over two
     return [
         ("embed", torch.randn(40, 33, generator=g)),  # 5280 bytes: larger than a bucket, split over two
         ("q", torch.randn(16, 8, generator=g).to(torch.bfloat16)),
@@ -31,6 +33,8 @@ def stream() -> list[tuple[str, torch.Tensor]]:
         ("mask", torch.tensor([True, False, True])),
         ("big", torch.randn(3000, generator=g, dtype=torch.float64)),  # 24000 bytes: six buckets
         ("tail", torch.randn(2, 2, generator=g)),
+        ("fp8.weight", fp8),
+        ("fp8.weight_scale_inv", scale),
     ]
 
 

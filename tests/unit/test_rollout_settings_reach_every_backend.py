@@ -127,3 +127,34 @@ def test_every_engine_setting_of_the_replica_spec_is_a_rollout_field():
     engine_settings = {"gpu_memory_utilization", "enable_prefix_caching", "enable_sleep_mode", "max_num_seqs",
                        "max_num_batched_tokens", "enforce_eager"}
     assert engine_settings <= fields & {f.name for f in dataclasses.fields(ReplicaSpec)}
+
+
+def test_vllm_fp8_starts_from_a_block_fp8_copy_of_the_model(tmp_path, monkeypatch):
+    import tempfile
+
+    from mrl.models.tiny import make_tiny_hf_model
+    from rollout_adapters.vllm.adapter import fp8_copy_path
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    model = str(make_tiny_hf_model("qwen2", tmp_path / "m", tokenizer=False, dtype=torch.bfloat16))
+    fp8 = [f"model.path={model}", "rollout.quantization=fp8", "rollout.dtype=bfloat16"]
+    path, kwargs = adapter_kwargs("vllm", *fp8, check=False)  # this CPU has no block-FP8 kernel: refused here
+    adapter = VLLMAdapter(path, **kwargs)
+    args = adapter.engine_args
+    assert args["quantization"] == "fp8" and adapter.source_model == model
+    assert args["model"] == fp8_copy_path(model) and args["model"].startswith(str(tmp_path / "tmp" / "mrl-fp8"))
+    plain_path, plain = adapter_kwargs("vllm", f"model.path={model}")
+    assert VLLMAdapter(plain_path, **plain).engine_args["quantization"] is None
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from mrl.weight_sync.fp8 import write_quantized_copy
+
+    write_quantized_copy(model, args["model"])  # what `start` does before the engine reads the folder
+    assert AsyncEngineArgs(**args).quantization == "fp8"
+    (tmp_path / "m" / "model.safetensors").write_bytes((tmp_path / "m" / "model.safetensors").read_bytes())
+    assert fp8_copy_path(model) != args["model"]  # a rewritten model gets a new copy
+    for backend in ("sglang", "trtllm"):
+        path, kwargs = adapter_kwargs(backend, *fp8, check=False)
+        adapter_cls = SGLangAdapter if backend == "sglang" else TRTLLMAdapter
+        with pytest.raises(TypeError, match="quantization"):  # start-up refuses it first, naming the backend
+            adapter_cls(path, **kwargs)

@@ -12,8 +12,12 @@ For each shape (Qwen2.5-0.5B / 1.5B, random bf16 weights, the demo's character t
 3. mrl warm: `build_trainer` again on the same machine (compile caches filled), timed, then shut down.
 Prints one table per shape and the ratios the GPU issue asks for; `--json` writes everything. Where a gap in
 generation lies (the server process and its RPC, or the agent loops): tools/bench/gen_overhead.py, same shapes.
+`--quantizations none fp8` repeats 1 and 2 per shape with each rollout.quantization in the same run (same prompts,
+seeds and lengths; docs/fp8.md) and prints fp8 against none: generation tokens/s (through mrl and direct), bytes
+per sync and sync time (export + quantise + transfer + load, `sync/update`).
 
     python tools/bench/e2e_gpu.py --shapes 0.5b 1.5b --response-length 1024 --batch 32 --n 8
+    python tools/bench/e2e_gpu.py --shapes 1.5b --quantizations none fp8 --json /tmp/fp8.json
 """
 
 from __future__ import annotations
@@ -112,7 +116,12 @@ async def direct_vllm(cfg: Any, rounds: int) -> dict[str, Any]:
     from rollout_adapters.vllm.adapter import VLLMAdapter
 
     spec = rollout_spec(cfg)
-    engine_args = VLLMAdapter(spec.model_path, **spec.adapter_kwargs()).engine_args
+    adapter = VLLMAdapter(spec.model_path, **spec.adapter_kwargs())
+    engine_args = adapter.engine_args
+    if engine_args["quantization"] is not None:  # the block-FP8 copy the replica started from (written once)
+        from mrl.weight_sync.fp8 import write_quantized_copy
+
+        write_quantized_copy(adapter.source_model, engine_args["model"])
     start = time.monotonic()
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
     startup = time.monotonic() - start
@@ -169,6 +178,25 @@ def report(shape: str, mrl: dict[str, Any], direct: dict[str, Any], warm_s: floa
     return ratios
 
 
+def compare_quantization(shape: str, base: dict[str, Any], quantized: dict[str, Any], name: str) -> dict[str, float]:
+    """rollout.quantization=`name` against none on one shape: generation speed, bytes per sync, sync time."""
+    m, b = quantized["mrl"]["median"], base["mrl"]["median"]
+
+    def ratio(key: str) -> float:
+        return m.get(key, float("nan")) / b.get(key, float("nan"))
+
+    ratios = {"gen_tokens_per_s": ratio("perf/gen_tokens_per_s"),
+              "direct_tokens_per_s": quantized["direct"]["tokens_per_s"] / base["direct"]["tokens_per_s"],
+              "sync_bytes": ratio("weight_sync/bytes_total"), "sync_update_s": ratio("timing_s/sync/update"),
+              "logprob_mismatch": m.get("rollout/logprob_mismatch", float("nan")),
+              "mismatch_kl": m.get("rollout/mismatch_kl", float("nan"))}
+    print(f"\n== {shape}: {name} vs none (ratios {name}/none; the issue asks gen >= 1.2, bytes ~0.5, sync time <= 1)")
+    for key in ("perf/gen_tokens_per_s", "weight_sync/bytes_total", "timing_s/sync/update", "rollout/logprob_mismatch"):
+        print(f"  {key:<32} none {b.get(key, float('nan')):12.5g}   {name} {m.get(key, float('nan')):12.5g}")
+    print("  ratios: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+    return ratios
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["0.5b", "1.5b"])
@@ -183,6 +211,8 @@ def main() -> None:
     parser.add_argument("--direct-rounds", type=int, default=2)
     parser.add_argument("--no-warm-start", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs or compile in the engine")
+    parser.add_argument("--quantizations", nargs="+", default=["none"], choices=["none", "fp8"],
+                        help="rollout.quantization values to run per shape, in this order (the first is the baseline)")
     parser.add_argument("--json", help="write every figure here")
     args = parser.parse_args()
 
@@ -200,14 +230,22 @@ def main() -> None:
         for shape in args.shapes:
             folder = Path(tmp) / shape
             paths = make_task(folder, shape, seed=1)
-            cfg = load_config("tiny/grpo", overrides(paths, args, f"e2e_{shape}", folder))
-            mrl = run_mrl(cfg)
-            direct = asyncio.run(direct_vllm(cfg, args.direct_rounds))
-            warm = float("nan") if args.no_warm_start else startup_only(cfg)
-            results[shape] = {"mrl": mrl, "direct": direct, "warm_startup_s": warm,
-                              "ratios": report(shape, mrl, direct, warm)}
-            if args.json:
-                Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+            for i, quantization in enumerate(args.quantizations):
+                # results[shape] is the unquantised run, as before; others are "<shape>+<quantization>"
+                key = shape if quantization == "none" else f"{shape}+{quantization}"
+                extra = [] if quantization == "none" else [f"rollout.quantization={quantization}"]
+                cfg = load_config("tiny/grpo", overrides(paths, args, f"e2e_{key}", folder) + extra)
+                mrl = run_mrl(cfg)
+                direct = asyncio.run(direct_vllm(cfg, args.direct_rounds))
+                warm = float("nan") if args.no_warm_start or i else startup_only(cfg)
+                results[key] = {"mrl": mrl, "direct": direct, "warm_startup_s": warm,
+                                "ratios": report(key, mrl, direct, warm)}
+                if i:
+                    first = args.quantizations[0]
+                    base = results[shape if first == "none" else f"{shape}+{first}"]
+                    results[key]["vs_" + first] = compare_quantization(shape, base, results[key], quantization)
+                if args.json:
+                    Path(args.json).write_text(json.dumps(results, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -66,3 +66,7 @@ def _transformer_engine(cfg: DictConfig, _: bool) -> Iterator[Violation]:
                         "LoRA wraps megatron-core's local linear layers, and the engines build TransformerEngine "
                         "layers whenever it is importable (as it is here), which LoRA does not wrap yet: turn LoRA "
                         "off or run where transformer_engine is not installed")
+
+
+# The rules on rollout.quantization (FP8 rollout) register themselves on import.
+from mrl.config.startup import quantization_rules  # noqa: E402, F401

