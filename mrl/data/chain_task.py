@@ -11,7 +11,7 @@ operation copied from the prompt first, then the sum), and ends with the result:
 
 Values stay in 0..max_value and operands are 1..9; each operation is drawn among those that keep the value in range.
 Each line is easy alone (find the label in the prompt, copy the running value, one small sum), but an exact answer
-needs all K right. With single digits and K from 15 to 19 a response is about 240-300 characters, one token each
+needs all K right. With single digits and K from 15 to 19 a response is 233-293 characters (mean 263), one token each
 under the character tokenizer (mrl/data/synthetic.char_tokenizer). A random last value scores one answer in
 max_value + 1 (10 % with single digits), so accuracy near that level means nothing was learned.
 

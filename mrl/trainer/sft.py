@@ -37,10 +37,6 @@ class SFTSettings:
     params_dtype: str = "float32"
     max_tokens_per_micro_batch: int = 16384
     eval_every: int = 20
-    # Accuracy climbs fast once the loss is low: below this training loss, evaluate every `dense_eval_every` steps
-    # so a stop at a target accuracy does not overshoot it (None: always `eval_every`).
-    dense_eval_below_loss: float | None = None
-    dense_eval_every: int = 5
     max_new_tokens: int = 256
     reward_fn: str = "exact_match"
     # Stop at the first evaluation whose greedy accuracy reaches this (None: run every step).
@@ -82,8 +78,7 @@ def run_sft(rank: int, world_size: int, settings: SFTSettings, examples: Sequenc
             metrics = engine.forward_backward(JaggedBatch.from_sequences(seqs), sft_loss)
             metrics.update(engine.optimizer_step())
             done = step == s.steps
-            dense = s.dense_eval_below_loss is not None and metrics["loss"] < s.dense_eval_below_loss
-            if step % (s.dense_eval_every if dense else s.eval_every) == 0 or done:
+            if step % s.eval_every == 0 or done:
                 load_into(hf, engine)
                 accuracy = greedy_accuracy(hf, tokenizer, eval_rows, s.max_new_tokens, s.reward_fn)
                 curve.append({"step": step, "loss": metrics["loss"], "lr": metrics["lr"], "val_acc": accuracy,
