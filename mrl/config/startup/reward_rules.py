@@ -57,8 +57,9 @@ def _reward_models(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
             yield Violation(f"{key}.name", m.name, "a unique, non-empty name other than 'rule' (the rule reward's part "
                                                    "in reward/<name>/mean)")
         if m.placement != "pool":
-            yield Violation(f"{key}.placement", m.placement, "'pool' (CPU workers of its own); 'colocated' on the "
-                                                            "trainer's devices is not built yet (docs/reward_models.md)")
+            yield Violation(f"{key}.placement", m.placement, "'pool' (CPU workers of its own); 'colocated' on "
+                                                            "the trainer's devices is not built yet "
+                                                            "(docs/reward_models.md)")
         if m.num_cpus < 1 or m.max_tokens_per_micro_batch < 1:
             yield Violation(key, f"num_cpus={m.num_cpus}, max_tokens_per_micro_batch={m.max_tokens_per_micro_batch}",
                             "both at least 1")
