@@ -11,6 +11,7 @@ import dataclasses
 import inspect
 import sys
 import textwrap
+import typing
 from typing import Any
 
 from mrl.config.schema import MrlConfig
@@ -43,6 +44,8 @@ def sections(root: type = MrlConfig, prefix: str = "") -> list[tuple[str, type]]
     for f in dataclasses.fields(root):
         if dataclasses.is_dataclass(f.type):
             found += sections(f.type, f"{prefix}{f.name}.")  # type: ignore[arg-type]
+        elif typing.get_origin(f.type) is list and dataclasses.is_dataclass(item := typing.get_args(f.type)[0]):
+            found += sections(item, f"{prefix}{f.name}[].")  # a list of sections (reward.models): each item's fields
     return found
 
 

@@ -11,6 +11,8 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from mrl.config.reward_schema import DistillConfig, RewardConfig
+
 ROOT_CONFIG_NAME = "mrl_config"
 # trainer.logger's choices (mrl/trainer/loggers.py builds them; the start-up rules check the names).
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
@@ -431,20 +433,8 @@ class AlgorithmConfig:
     kl_horizon: int = 10000
     # Off-policy and training–inference mismatch correction of the actor loss.
     rollout_correction: RolloutCorrectionSettings = field(default_factory=RolloutCorrectionSettings)
-
-
-@dataclass
-class RewardConfig:
-    # Registered rule-reward name or "module.path:function"; chosen per sample by data_source when "auto".
-    reward_fn: str = "auto"
-    # Concurrent reward evaluations.
-    num_workers: int = 4
-    # Per-item reward timeout; a timed-out item scores 0 and counts as an error.
-    timeout_s: float = 10.0
-    # Share of one step's reward calls of a data source that may fail (an exception, a timeout, a non-finite
-    # score: each scores 0) before the run stops with the first error's text; metrics reward/<data_source>/
-    # error_rate (calls since the previous step, validation's included). 1.0: never stop; 0.0: stop at any error.
-    max_error_rate: float = 0.1
+    # On-policy distillation from a teacher (reverse-KL per-token advantage); not wired yet.
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 @dataclass

@@ -21,6 +21,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     DeepseekV3Config,
     LlamaConfig,
     PretrainedConfig,
@@ -271,4 +272,26 @@ def make_tiny_hf_model(
     model.config.dtype = dtype
     save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(str(out), **save_kwargs)
+    return out
+
+
+def make_tiny_reward_model(
+    family: str,
+    out_dir: str | pathlib.Path,
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    seed: int = 0,
+    init_std: float = 0.1,
+    **config_overrides,
+) -> pathlib.Path:
+    """A tiny `family` `...ForSequenceClassification` (one label: a reward model) with seeded random weights, saved
+    with `tokenizer` as an HF folder; return the path."""
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = tiny_hf_config(family, len(tokenizer), tokenizer=tokenizer, num_labels=1, **config_overrides)
+    with torch.random.fork_rng(devices=[]):
+        model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    _randomize(model, seed, init_std)
+    tokenizer.save_pretrained(str(out))
+    model.save_pretrained(str(out))
     return out

@@ -16,6 +16,7 @@ from mrl.config.schema import MrlConfig
 from mrl.controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from mrl.data.datasets import RLDataset
 from mrl.reward.evaluator import RewardEvaluator
+from mrl.reward.models import RewardModels
 from mrl.rollout.agent_loop import AgentLoopManager
 from mrl.rollout.agent_loop.tools import load_tools
 from mrl.rollout.manager import LLMServerManager
@@ -159,6 +160,9 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
         reward = RewardEvaluator(None if c.reward.reward_fn == "auto" else c.reward.reward_fn,
                                  max_workers=c.reward.num_workers, timeout_s=c.reward.timeout_s)
         undo.callback(reward.close)
+        reward_models = RewardModels(c.reward.models, tokenizer_path) if c.reward.models else None
+        if reward_models is not None:
+            undo.callback(reward_models.close)
         rollout.wait_started()
         progress(f"rollout replicas serving ({c.rollout.name})")
         for ready in engines_ready:
@@ -182,6 +186,7 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
         val_data=val_data,
         reward=reward,
         critic=critic,
+        reward_models=reward_models,
     )
     parts.pool = pool  # type: ignore[attr-defined]
     progress(f"agent loops ready ({c.rollout.agent_loop_workers} worker(s)); training starts")

@@ -253,3 +253,10 @@ class RunLogger:
         with open(self.out_dir / "rollouts.jsonl", "a") as f:
             for row in rows[: self.dump_per_step]:
                 f.write(json.dumps({"step": step, **row}) + "\n")
+
+
+def reward_part_metrics(trajectories: list[dict[str, Any]]) -> dict[str, float]:
+    """`reward/<name>/mean` of each part of the reward (`rule` and every reward model) when reward.models is set."""
+    names = trajectories[0].get("reward_parts", {}) if trajectories else {}
+    return {f"reward/{name}/mean": sum(t["reward_parts"][name] for t in trajectories) / len(trajectories)
+            for name in names}

@@ -31,6 +31,7 @@ from mrl.data.sample_store import SampleStore
 from mrl.data.samples import light_batch, put_noop_payloads
 from mrl.reward.errors import RewardErrors
 from mrl.reward.evaluator import RewardEvaluator, RewardItem
+from mrl.reward.models import RewardModels, combine
 from mrl.trainer import batching, checkpointing
 from mrl.trainer.metrics import (
     ModelFlops,
@@ -38,6 +39,7 @@ from mrl.trainer.metrics import (
     StageTimer,
     agent_loop_metrics,
     perf_metrics,
+    reward_part_metrics,
     staleness_metrics,
 )
 from mrl.utils.rng import rng_state, set_rng_state
@@ -57,6 +59,7 @@ class TrainerParts:
     reward: RewardEvaluator
     critic: Any = None
     store: SampleStore | None = None  # where trajectories' per-token data lives (the agent loops' store)
+    reward_models: RewardModels | None = None  # reward.models, scored beside the rule reward
 
 
 def mean_over_updates(per_rank: list[dict[str, Any]], prefix: str = "critic") -> dict[str, float]:
@@ -278,10 +281,28 @@ class PPOTrainer:
             traj.update(uid=prompt["uid"], messages=prompt["messages"], ground_truth=prompt["ground_truth"])
             extra = {**prompt["extra_info"], **traj.get("reward_info", {})}  # a custom loop's reward inputs
             items.append(RewardItem(traj["response_text"], prompt["ground_truth"], prompt["data_source"], extra))
-        results = self.parts.reward.evaluate_sync(items)
+        model_scores: dict[str, list[float]] = {}
+        if self.parts.reward_models is None:
+            results = self.parts.reward.evaluate_sync(items)
+        else:
+            future = self.parts.reward.submit(items)  # rule rewards run while the reward models score
+            model_scores = self.score_with_models(trajectories)
+            results = future.result()
         self.reward_errors.record(items, results)  # failures score 0: counted per data source, not dropped
-        for traj, result in zip(trajectories, results):
-            traj["score"] = result.score
+        if model_scores:
+            rule = [r.score for r in results]
+            totals = combine(rule, model_scores, self.config.reward.rule_weight, self.parts.reward_models.weights)
+            for k, (traj, total) in enumerate(zip(trajectories, totals)):
+                traj["score"] = total
+                traj["reward_parts"] = {"rule": rule[k], **{name: s[k] for name, s in model_scores.items()}}
+        else:
+            for traj, result in zip(trajectories, results):
+                traj["score"] = result.score
+
+    def score_with_models(self, trajectories: list[dict[str, Any]]) -> dict[str, list[float]]:
+        """{reward model name: score per trajectory} of its token ids (prompt + response) from the store."""
+        ids = self.store.get_jagged([t["key"] for t in trajectories], ["input_ids"])["input_ids"]
+        return self.parts.reward_models.score([row.tolist() for row in ids.to_list()])
 
     def to_training_batch(self, trajectories: list[dict[str, Any]]) -> Batch:
         """The step's light batch (store keys and scalar columns). No-op samples make the count divisible by
@@ -454,6 +475,7 @@ class PPOTrainer:
             "perf/gen_tokens_per_s": gen_tokens / max(self.timer.seconds.get("gen", 0.0), 1e-9),
         }
         metrics.update(agent_loop_metrics(real))
+        metrics.update(reward_part_metrics(real))
         metrics.update(mean_over_updates(actor_out, prefix="actor"))
         metrics.update(self.kl_metrics)
         metrics.update(mismatch)

@@ -1,5 +1,7 @@
 """Start-up rules on the reward: `reward.reward_fn` names a function that loads, and with "auto" every data_source
-of the data files has a registered one (an unknown source once fell back to math scoring: a run of silent zeros).
+of the data files has a registered one (an unknown source once fell back to math scoring: a run of silent zeros);
+each of `reward.models` is placed in a pool, is a one-label sequence classifier and shares the policy's tokenizer
+unless a re-render is configured.
 
 Registered with `@rule` like those of validate.py, which imports this module.
 """
@@ -41,3 +43,56 @@ def _reward_sources(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
                                 f"{', '.join(REWARD_FNS)}); with reward.reward_fn=auto each row is scored by its "
                                 "data_source's: register one (mrl.reward.registry.REWARD_FNS) or set "
                                 "reward.reward_fn")
+
+
+@rule
+def _reward_models(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
+    """Each of `reward.models`: a unique name, placement `pool` (colocated is not built yet), and with the files
+    here a one-label `...ForSequenceClassification` folder whose tokenizer is the policy's unless `rerender` is set
+    (the policy's ids would be read as other tokens: wrong scores, no error)."""
+    names = [str(m.name) for m in cfg.reward.models]
+    for k, m in enumerate(cfg.reward.models):
+        key = f"reward.models[{k}]"
+        if not m.name or m.name == "rule" or names.count(m.name) > 1:
+            yield Violation(f"{key}.name", m.name, "a unique, non-empty name other than 'rule' (the rule reward's part "
+                                                   "in reward/<name>/mean)")
+        if m.placement != "pool":
+            yield Violation(f"{key}.placement", m.placement, "'pool' (CPU workers of its own); 'colocated' on "
+                                                            "the trainer's devices is not built yet "
+                                                            "(docs/reward_models.md)")
+        if m.num_cpus < 1 or m.max_tokens_per_micro_batch < 1:
+            yield Violation(key, f"num_cpus={m.num_cpus}, max_tokens_per_micro_batch={m.max_tokens_per_micro_batch}",
+                            "both at least 1")
+        if check_paths:
+            yield from _reward_model_folder(key, m, str(cfg.model.tokenizer_path or cfg.model.path))
+
+
+def _reward_model_folder(key: str, m: DictConfig, policy_tokenizer: str) -> Iterator[Violation]:
+    import json
+
+    config_file = os.path.join(str(m.path), "config.json")
+    if not os.path.isfile(config_file):
+        yield Violation(f"{key}.path", m.path, "an HF folder with config.json (a ...ForSequenceClassification model)")
+        return
+    with open(config_file) as f:
+        hf = json.load(f)
+    archs = hf.get("architectures") or []
+    labels = hf.get("num_labels", len(hf.get("id2label") or {}) or 2)
+    if not any(a.endswith("ForSequenceClassification") for a in archs) or labels != 1:
+        yield Violation(f"{key}.path", m.path, f"a ...ForSequenceClassification model with one label (a reward "
+                                               f"model); found architectures={archs}, num_labels={labels}")
+    if m.rerender:
+        return
+    try:
+        from transformers import AutoTokenizer
+
+        same = AutoTokenizer.from_pretrained(str(m.path)).get_vocab() == \
+            AutoTokenizer.from_pretrained(policy_tokenizer).get_vocab()
+    except Exception as err:  # a folder without tokenizer files: scoring it would fail later, so say it now
+        yield Violation(f"{key}.path", m.path, f"a tokenizer that loads ({type(err).__name__}: {err}), or "
+                                               f"{key}.rerender=true")
+        return
+    if not same:
+        yield Violation(f"{key}.rerender", False, f"true: the reward model's tokenizer differs from the policy's "
+                                                  f"({policy_tokenizer}); scores need a re-render (detokenize → "
+                                                  "retokenize)")

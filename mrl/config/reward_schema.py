@@ -1,0 +1,57 @@
+"""Typed configuration of the reward (rule and model rewards) and of on-policy distillation: sections of
+`MrlConfig` (mrl/config/schema.py), kept apart so the schema file stays readable."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RewardModelConfig:
+    # Name of this part of the reward: metrics reward/<name>/mean.
+    name: str = "rm"
+    # HF folder of a discriminative reward model: a `...ForSequenceClassification` checkpoint with one label; its
+    # score of a sample is the logit at the last token of prompt + response (mrl/reward/models.py).
+    path: str = ""
+    # Weight of this model's score in the sample's reward (added to reward.rule_weight × the rule reward).
+    weight: float = 1.0
+    # pool: CPU workers of its own (one Ray actor per model, an HF forward). colocated (on the trainer's devices,
+    # sleep/wake like the rollout) is not built yet and refused at start-up.
+    placement: str = "pool"
+    # CPUs of the model's pool worker (its torch threads).
+    num_cpus: int = 1
+    # Token budget of one forward: samples sorted by length, each micro-batch's rows × longest row ≤ this.
+    max_tokens_per_micro_batch: int = 8192
+    # Detokenize the policy's tokens and retokenize them with the reward model's tokenizer. Required when the two
+    # tokenizers differ (start-up refuses the run otherwise); with equal tokenizers the policy's ids are scored as is.
+    rerender: bool = False
+
+
+@dataclass
+class RewardConfig:
+    # Registered rule-reward name or "module.path:function"; chosen per sample by data_source when "auto".
+    reward_fn: str = "auto"
+    # Concurrent reward evaluations.
+    num_workers: int = 4
+    # Per-item reward timeout; a timed-out item scores 0 and counts as an error.
+    timeout_s: float = 10.0
+    # Share of one step's reward calls of a data source that may fail (an exception, a timeout, a non-finite
+    # score: each scores 0) before the run stops with the first error's text; metrics reward/<data_source>/
+    # error_rate (calls since the previous step, validation's included). 1.0: never stop; 0.0: stop at any error.
+    max_error_rate: float = 0.1
+    # Weight of the rule reward (reward_fn) in the sample's reward; 0 with reward.models: model scores only.
+    rule_weight: float = 1.0
+    # Reward models scored beside the rule reward (each: name, path, weight, placement); docs/reward_models.md.
+    models: list[RewardModelConfig] = field(default_factory=list)
+
+
+@dataclass
+class DistillConfig:
+    # On-policy distillation: each model token's advantage gains coef × (teacher − student log-prob of the sampled
+    # token). Only the advantage helper exists (mrl/algo/distill.py): start-up refuses true until the trainer
+    # computes the teacher's log-probs (docs/reward_models.md).
+    enable: bool = False
+    # HF folder of the teacher (a causal LM sharing the student's vocabulary).
+    teacher_path: str = ""
+    # Weight of the distillation advantage.
+    coef: float = 1.0
+    # add: added to the task reward's advantage; alone: the distillation advantage only.
+    mode: str = "add"
