@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -151,6 +151,12 @@ class Bridge:
             config.num_attention_heads, config.num_query_groups or config.num_attention_heads, config.kv_channels
         )
 
+    def chunk_shape(self, chunks: Sequence[torch.nn.Module]) -> ModelShape:
+        """`model_shape` of built chunks, with the HF vocabulary and the model's padded one (build_model)."""
+        chunk = _unwrap(chunks[0])
+        padded = getattr(chunk, "vocab_size", 0)
+        return replace(self.model_shape(chunk.config), vocab=self.hf_config.vocab_size, padded_vocab=padded)
+
     @staticmethod
     def shard_of(tensor: LocalTensor) -> Shard:
         from megatron.core import parallel_state as ps
@@ -168,7 +174,7 @@ class Bridge:
         rank read (a config translation that dropped a feature, say) fails the import with the list of names.
         """
         self.check_coverage(chunks)
-        shape = self.model_shape(_config_of(chunks[0]))
+        shape = self.chunk_shape(chunks)
         used: set[str] = set()
         with HFCheckpoint(folder) as checkpoint:
             for tensor in self.local_tensors(chunks):
@@ -278,7 +284,8 @@ class Bridge:
         write_safetensors(stream, out, max_shard_bytes=max_shard_bytes)
 
 
-def _config_of(chunk: torch.nn.Module) -> Any:
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     while hasattr(chunk, "module"):
         chunk = chunk.module
-    return chunk.config
+    return chunk
+

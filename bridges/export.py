@@ -148,7 +148,7 @@ def build_plan(bridge: Bridge, chunks: Sequence[torch.nn.Module], dtype: torch.d
     stage = ps.get_pipeline_model_parallel_rank()
     ep_rank, ep_size = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
     config = _config_of(chunks[0])
-    shape = bridge.model_shape(config)
+    shape = bridge.chunk_shape(chunks)
     local_experts = (getattr(config, "num_moe_experts", None) or 0) // ep_size
     mine = []
     for tensor in bridge.local_tensors(chunks):

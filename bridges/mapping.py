@@ -49,11 +49,21 @@ class Shard:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The attention geometry that fused QKV needs (taken from the TransformerConfig)."""
+    """The attention geometry that fused QKV needs (taken from the TransformerConfig), and the vocabulary: the
+    HF one and the model's rows (padded to a multiple of TP; 0: not padded)."""
 
     num_heads: int
     num_query_groups: int
     head_dim: int
+    vocab: int = 0
+    padded_vocab: int = 0
+
+
+def padded_vocab_size(vocab: int, tp: int, divisor: int = 1) -> int:
+    """Megatron's `make_vocab_size_divisible_by`: the vocabulary rounded up to a multiple of divisor × TP, so
+    that every TP rank holds as many embedding and output rows."""
+    step = divisor * tp
+    return -(-vocab // step) * step
 
 
 def _compile(pattern: str) -> re.Pattern[str]:
@@ -130,11 +140,31 @@ def RowParallel(megatron: str, hf: str) -> Mapping:
 
 
 @dataclass(frozen=True)
-class TiedOutput(Mapping):
-    """The output layer of a model with tied embeddings: filled from the embedding on import (on the last
-    pipeline stage it is its own parameter), never exported (HF stores only the embedding)."""
+class VocabParallel(Mapping):
+    """The embedding and the output layer: rows split over TP like ColumnParallel, the vocabulary padded with
+    zero rows to the model's (padded) size on import and cut back to the HF size on export, so padded rows never
+    leave the trainer."""
 
     tp_dim: int | None = 0
+
+    def load(self, read: list[LazyTensor], shard: Shard, shape: ModelShape) -> torch.Tensor:
+        (tensor,) = read
+        padded = max(shape.padded_vocab, tensor.shape[0])
+        rows = shard.span(padded, self.megatron)
+        real = tensor[rows.start : min(rows.stop, tensor.shape[0])]
+        if real.shape[0] == rows.stop - rows.start:
+            return real
+        pad = real.new_zeros(rows.stop - rows.start - real.shape[0], *real.shape[1:])
+        return torch.cat([real, pad])
+
+    def to_hf(self, full: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
+        return [full[: shape.vocab] if shape.vocab and full.shape[0] > shape.vocab else full]
+
+
+@dataclass(frozen=True)
+class TiedOutput(VocabParallel):
+    """The output layer of a model with tied embeddings: filled from the embedding on import (on the last
+    pipeline stage it is its own parameter), never exported (HF stores only the embedding)."""
 
     def export_names(self, indices: Sequence[int]) -> list[str]:
         return []
@@ -211,6 +241,10 @@ def QKV(megatron: str, q: str, k: str, v: str) -> Mapping:
 
 def GateUp(megatron: str, gate: str, up: str) -> Mapping:
     return GatedMLP(megatron, (gate, up))
+
+
+def Vocab(megatron: str, hf: str) -> Mapping:
+    return VocabParallel(megatron, (hf,))
 
 
 def Tied(megatron: str, hf: str) -> Mapping:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from bridges.bridge import Bridge, rope_model_kwargs
-from bridges.mapping import QKV, ColumnParallel, GateUp, Mapping, Replicated, RowParallel, Tied
+from bridges.mapping import QKV, GateUp, Mapping, Replicated, RowParallel, Tied, Vocab
 from bridges.registry import register
 
 
@@ -68,9 +68,9 @@ class LlamaBridge(Bridge):
         ]
 
     def mappings(self) -> list[Mapping]:
-        output = Tied if self.hf_config.tie_word_embeddings else ColumnParallel
+        output = Tied if self.hf_config.tie_word_embeddings else Vocab
         return [
-            ColumnParallel("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+            Vocab("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
             Replicated("decoder.layers.*.input_layernorm.weight", "model.layers.*.input_layernorm.weight"),
             *self.attention_mappings(),
             Replicated("decoder.layers.*.pre_mlp_layernorm.weight", "model.layers.*.post_attention_layernorm.weight"),

@@ -169,17 +169,31 @@ def resolve_model_config(model_path: str, model_config: str | None = None) -> tu
     )
 
 
+def stage_layers(layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[int]:
+    """Layers of each pipeline stage under Megatron's split: `first` / `last` where set, the middle stages an even
+    share of the rest (a split that `pipeline_split_problem` refuses gives the shares rounded down)."""
+    if pp <= 1:
+        return [layers]
+    ends = (first, last)
+    middle_stages = pp - sum(n is not None for n in ends)
+    share = (layers - sum(n or 0 for n in ends)) // middle_stages if middle_stages else 0
+    out = [share] * pp
+    out[0], out[-1] = first if first is not None else out[0], last if last is not None else out[-1]
+    return out
+
+
 def pipeline_split_problem(layers: int, pp: int, vpp: int | None, overrides: Any) -> str | None:
     """Megatron's rule for splitting `layers` over PP stages (× VPP chunks), with its uneven split: the first
-    and last stages may hold `num_layers_in_first/last_pipeline_stage` layers (override_transformer_config)
-    and the middle stages split the rest evenly."""
+    and last stages may hold `num_layers_in_first/last_pipeline_stage` layers (`<role>.megatron`) and the middle
+    stages split the rest evenly."""
     if pp < 1:
         return None
     chunks = vpp or 1
     ends = [overrides.get(f"num_layers_in_{end}_pipeline_stage") for end in ("first", "last")]
     if all(n is None for n in ends):
         if layers % (pp * chunks):
-            return f"PP × VPP = {pp * chunks} model chunks must divide the model's {layers} layers"
+            return (f"PP × VPP = {pp * chunks} model chunks must divide the model's {layers} layers (or set "
+                    "num_layers_in_first/last_pipeline_stage for an uneven split)")
         return None
     middle_layers = layers - sum(n for n in ends if n is not None)
     middle_stages = pp - sum(n is not None for n in ends)
@@ -195,7 +209,7 @@ def pipeline_split_problem(layers: int, pp: int, vpp: int | None, overrides: Any
 def layout_shape_problems(hf: dict[str, Any], tp: int, pp: int, vpp: int | None, ep: int,
                           overrides: Any = None) -> Iterator[tuple[str, str]]:
     """(layout knob, rule) for each way a Megatron layout does not fit the model's HF config: TP over heads,
-    key-value heads and the vocabulary (Megatron splits embedding rows evenly, no padding here), PP × VPP over
+    key-value heads and the vocabulary (padded to a multiple of TP, every rank holding real rows), PP × VPP over
     layers, EP over routed experts. Shared by the start-up rules and `mrl convert`."""
     heads = int(hf.get("num_attention_heads", 1))
     kv_heads = int(hf.get("num_key_value_heads") or heads)
@@ -205,8 +219,10 @@ def layout_shape_problems(hf: dict[str, Any], tp: int, pp: int, vpp: int | None,
     if tp >= 1 and (heads % tp or (kv_heads % tp and tp % kv_heads)):
         yield "tensor_model_parallel_size", (f"must divide the model's attention heads ({heads}) and key-value "
                                              f"heads ({kv_heads}), or be a multiple of the key-value heads")
-    elif tp > 1 and vocab and vocab % tp:
-        yield "tensor_model_parallel_size", f"must divide the model's vocabulary ({vocab} tokens)"
+    elif tp > 1 and vocab and vocab % tp and (-(-vocab // tp) * tp - vocab) >= -(-vocab // tp):
+        # Megatron pads the vocabulary to a multiple of TP; every rank must still hold a real row.
+        yield "tensor_model_parallel_size", (f"pads the model's vocabulary ({vocab} tokens) so that a rank "
+                                             "holds only padding: use a smaller TP")
     split = pipeline_split_problem(layers, pp, vpp, overrides or {})
     if split and not (pp == 1 and (vpp or 1) > 1):  # VPP without PP: its own line
         yield "pipeline_model_parallel_size", split

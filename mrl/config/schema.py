@@ -89,6 +89,11 @@ class MegatronConfig:
     pipeline_model_parallel_size: int = 1
     # Model chunks per pipeline stage for the interleaved schedule (needs PP > 1).
     virtual_pipeline_model_parallel_size: int | None = None
+    # Uneven pipeline stages (Megatron's TransformerConfig fields): the layers of the first / last stage, the middle
+    # stages splitting the rest evenly (DeepSeek-V3's 61 layers at PP 8: 7 + 6 × 8 + 6). None: an even split.
+    num_layers_in_first_pipeline_stage: int | None = None
+    # Layers of the last pipeline stage (uneven split, as num_layers_in_first_pipeline_stage); None: an even share.
+    num_layers_in_last_pipeline_stage: int | None = None
     # Context parallel size (CP): not built yet, so above 1 it is refused at start-up (without TransformerEngine
     # it cannot run; with it, packing does not split sequences over CP ranks and losses are scaled over DP only).
     context_parallel_size: int = 1

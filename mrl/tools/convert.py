@@ -39,6 +39,13 @@ class Layout:
     ep: int = 1
     etp: int | None = None
     vpp: int | None = None
+    first: int | None = None  # layers of the first pipeline stage (uneven split); None: even
+    last: int | None = None  # layers of the last pipeline stage
+
+    def stage_fields(self) -> dict[str, int]:
+        """The uneven split as TransformerConfig fields (those that are set)."""
+        split = {"num_layers_in_first_pipeline_stage": self.first, "num_layers_in_last_pipeline_stage": self.last}
+        return {k: v for k, v in split.items() if v is not None}
 
     def world_size(self) -> int:
         """Fewest processes that hold this layout: PP stages of lcm(TP, EP × expert-TP) ranks (the rest is DP)."""
@@ -82,7 +89,7 @@ def _build(hf_folder: str, layout: Layout, dtype_name: str | None) -> tuple[Any,
     initialize_model_parallel(parallel)
     bridge = bridge_from_hf(hf_folder)
     dtype = _torch_dtype(dtype_name, bridge.hf_config)
-    fields = runtime_config(parallel, params_dtype=dtype)
+    fields = runtime_config(parallel, params_dtype=dtype, **layout.stage_fields())
     chunks = build_chunks(bridge.transformer_config(**fields), bridge.model_kwargs())
     return bridge, chunks, dtype
 
@@ -160,6 +167,8 @@ def _layout_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ep", type=int, default=None, help="expert-parallel size")
     parser.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: TP)")
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank")
+    parser.add_argument("--first", type=int, default=None, help="layers of the first pipeline stage (uneven split)")
+    parser.add_argument("--last", type=int, default=None, help="layers of the last pipeline stage (uneven split)")
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
     parser.add_argument("--timeout-s", type=float, default=24 * 3600.0)
 
@@ -180,7 +189,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def steps_from_args(args: argparse.Namespace) -> list[ToMegatron | ToHF]:
     recorded = read_metadata(args.checkpoint).get("layout", {}) if args.direction == "to-hf" else {}
-    given = {k: getattr(args, k) for k in ("tp", "pp", "ep", "etp", "vpp") if getattr(args, k) is not None}
+    given = {k: getattr(args, k) for k in ("tp", "pp", "ep", "etp", "vpp", "first", "last")
+             if getattr(args, k) is not None}
+    if "pp" in given:  # a new pipeline size: the recorded uneven split was the old one's
+        recorded = {k: v for k, v in recorded.items() if k not in ("first", "last")}
     layout = Layout(**{**recorded, **given})
     if args.direction == "to-megatron":
         return [ToMegatron(args.hf, args.out, layout, args.dtype)]
@@ -211,11 +223,12 @@ def check_steps(steps: list[ToMegatron | ToHF]) -> None:
                                       + (" with --hf-config" if source != "hf" else "")))
         if step.dtype is not None and step.dtype not in ("float32", "bfloat16", "float16"):
             problems.append(Violation("--dtype", step.dtype, "must be one of float32, bfloat16, float16"))
-        sizes = {f"--{k}": getattr(step.layout, k) for k in ("tp", "pp", "ep", "etp", "vpp")}
+        sizes = {f"--{k}": getattr(step.layout, k) for k in ("tp", "pp", "ep", "etp", "vpp", "first", "last")}
         problems += [Violation(flag, n, "must be >= 1") for flag, n in sizes.items() if n is not None and n < 1]
         if config.is_file() and not problems:
             lay = step.layout
-            for knob, why in layout_shape_problems(json.loads(config.read_text()), lay.tp, lay.pp, lay.vpp, lay.ep):
+            for knob, why in layout_shape_problems(json.loads(config.read_text()), lay.tp, lay.pp, lay.vpp, lay.ep,
+                                                   lay.stage_fields()):
                 problems.append(Violation(flags[knob], getattr(lay, flags[knob][2:]), why))
     if problems:
         raise ConfigError(problems)

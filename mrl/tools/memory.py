@@ -1,8 +1,9 @@
 """Per-device memory estimate of a recipe: training engines (params, grads, optimizer, activations) and the
 rollout engine's KV-cache budget. An estimate to catch layouts that cannot fit, not a profiler.
 
-Training engine of one device, for the heaviest pipeline stage (ceil(L/PP) layers plus the embedding or output
-layer; both when PP=1):
+Training engine of one device, for the heaviest pipeline stage (the most layers of any stage under the uneven split
+of num_layers_in_first/last_pipeline_stage, ceil(L/PP) without it, plus the embedding or output layer; both when
+PP=1):
 - params: dense parts / TP + routed experts / (EP × expert-TP), in `params_dtype`;
 - grads: the same count in fp32 (the engine reduces gradients in fp32: `grad_reduce_in_fp32=True`);
 - optimizer: Adam's two fp32 moments plus an fp32 master copy when params are 16-bit, i.e. 12 or 8 bytes per
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
-from mrl.config.model_shape import ModelShape
+from mrl.config.model_shape import ModelShape, stage_layers
 
 GiB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -76,9 +77,18 @@ class MemoryEstimate:
         return sum(e.total for e in self.training)
 
 
-def _stage_params(shape: ModelShape, tp: int, pp: int, ep: int, etp: int) -> tuple[float, float]:
-    """(dense, expert) parameters of one device on the heaviest pipeline stage."""
-    layer_share = math.ceil(shape.num_layers / pp) / shape.num_layers
+def heaviest_stage_layers(shape: ModelShape, m: DictConfig) -> int:
+    """Layers of the pipeline stage that holds the most (the uneven split where one is set)."""
+    pp = m.pipeline_model_parallel_size
+    first, last = m.get("num_layers_in_first_pipeline_stage"), m.get("num_layers_in_last_pipeline_stage")
+    if first is None and last is None:
+        return math.ceil(shape.num_layers / pp)
+    return max(stage_layers(shape.num_layers, pp, first, last))
+
+
+def _stage_params(shape: ModelShape, tp: int, pp: int, ep: int, etp: int, layers: int) -> tuple[float, float]:
+    """(dense, expert) parameters of one device on the heaviest pipeline stage (`layers` layers)."""
+    layer_share = layers / shape.num_layers
     ends = shape.embedding_params + shape.output_params if pp == 1 else max(shape.embedding_params, shape.output_params)
     dense = (shape.layer_dense_params * layer_share + ends) / tp
     expert = shape.layer_expert_params * layer_share / (ep * etp)
@@ -96,7 +106,8 @@ def _sizes(m: DictConfig, world: int) -> tuple[int, int, int, int, int, int, int
 def engine_memory(role: str, shape: ModelShape, m: DictConfig, world: int, *, train: bool,
                   micro_tokens: int) -> EngineMemory:
     tp, pp, cp, ep, etp, dp, edp = _sizes(m, world)
-    dense, expert = _stage_params(shape, tp, pp, ep, etp)
+    layers = heaviest_stage_layers(shape, m)
+    dense, expert = _stage_params(shape, tp, pp, ep, etp, layers)
     p_bytes = DTYPE_BYTES.get(m.params_dtype, 4)
     out = EngineMemory(role, params=(dense + expert) * p_bytes)
     if not train:
@@ -111,7 +122,7 @@ def engine_memory(role: str, shape: ModelShape, m: DictConfig, world: int, *, tr
         per_layer = 2 * tokens * h / (tp if sp else 1)
     else:
         per_layer = tokens * h * (34 / tp if sp else 10 + 24 / tp)
-    in_flight_layers = math.ceil(shape.num_layers / pp) * pp
+    in_flight_layers = layers * pp
     out.activations = per_layer * in_flight_layers * (p_bytes / 2)
     return out
 

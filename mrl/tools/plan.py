@@ -23,7 +23,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from mrl.config.model_shape import ModelShape, resolve_model_config, shape_from_config
+from mrl.config.model_shape import ModelShape, resolve_model_config, shape_from_config, stage_layers
 from mrl.config.placement import rollout_placement
 from mrl.config.startup import ConfigError, validate
 from mrl.config.startup.loader import load_config
@@ -70,6 +70,7 @@ class Plan:
     problems: list[str] = field(default_factory=list)  # the recipe cannot start
     notes: list[str] = field(default_factory=list)  # it starts, but something is worth knowing
     peak: str = ""  # what a device holds at its peak, and whether the training and rollout phases alternate
+    stage_layers: list[int] = field(default_factory=list)  # the actor's layers per pipeline stage
 
     @property
     def can_start(self) -> bool:
@@ -166,8 +167,11 @@ def make_plan(recipe: str, overrides: list[str] | None = None, *, device_gib: fl
     acc = accounting(cfg, shape)
     mem = estimate(cfg, shape, device_gib, rollout_overhead_gib)
     name = Path(cfg.model.path.rstrip("/")).name
+    m = cfg.actor.megatron
+    stages = stage_layers(shape.num_layers, m.pipeline_model_parallel_size,
+                          m.get("num_layers_in_first_pipeline_stage"), m.get("num_layers_in_last_pipeline_stage"))
     plan = Plan(recipe, name, source, shape.total_params, shape.active_params, acc, mem, problems,
-                peak=_phases(cfg, mem))
+                peak=_phases(cfg, mem), stage_layers=stages)
     _check(cfg, acc, mem, plan.problems, plan.notes)
     return plan
 
@@ -202,6 +206,8 @@ def render(plan: Plan) -> str:
     lines = [
         f"recipe {plan.recipe}: model {plan.model} (shape from {plan.model_source})",
         f"  parameters {plan.total_params / 1e9:.2f} B total, {plan.active_params / 1e9:.2f} B active per token",
+        f"  actor layers per pipeline stage   {' + '.join(map(str, plan.stage_layers))} "
+        f"(PP={len(plan.stage_layers)})",
         "per step",
         f"  prompts per step (B)              {a.prompts_per_step}",
         f"  rollout requests (B x n)          {a.rollout_requests}"

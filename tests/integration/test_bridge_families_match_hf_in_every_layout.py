@@ -1,16 +1,19 @@
 """Bridges are exact, in every layout of a 2-process world (one launch; parallel state re-initialised per case).
 
 For each family (tiny random HF models, fp32): Megatron logits equal HF logits within 1e-5 at TP=1 (DP=2), TP=2,
-PP=2, and EP=2 (plus TP=2×EP=2 with expert-TP=1) for MoE families; a tied-embedding 4-layer Llama runs at PP=2×VPP=2,
-a Llama with Llama-3 RoPE scaling at TP=2, a DeepSeek-V3 with the published config's YaRN RoPE (factor 40, mscale
-1.0, mscale_all_dim 1.0, beta 32/1; original context scaled down to 64) at TP=1 and TP=2, and a Qwen3 with one
-key-value head at TP=2. On every rank, export reproduces the HF safetensors bit for bit (same names, shapes, values,
+PP=2, and EP=2 (plus TP=2×EP=2 with expert-TP=1) for MoE families; a tied-embedding 4-layer Llama runs at
+PP=2×VPP=2, a Llama with Llama-3 RoPE scaling at TP=2, a DeepSeek-V3 with the published config's YaRN RoPE (factor
+40, mscale 1.0, mscale_all_dim 1.0, beta 32/1; original context scaled down to 64) at TP=1 and TP=2, and a Qwen3
+with one key-value head at TP=2; a Qwen3 whose 1001-token vocabulary TP=2 does not divide (padded to 1002 rows
+inside the model, cut on export: logits compared on the real vocabulary), and 3-layer Qwen3 and Qwen3-MoE models on
+uneven pipeline stages (1 + 2 and 2 + 1 layers, Megatron's num_layers_in_first/last_pipeline_stage; and 6 layers as
+2 + 4 under VPP=2). On every rank, export reproduces the HF safetensors bit for bit (same names, shapes, values,
 nothing missing or extra), and the `tp_slices` export gives each rank exactly its TP slice of the dense TP-split
 tensors (vocabulary, norms and experts whole; QKV whole when there are fewer KV heads than TP), and with
-`row_blocks` its q/k/v are uncopied views of linear_qkv that flatten to those tensors. `save_hf` from a
-sharded layout reloads in transformers with the same logits. The import never holds more than one layer's tensors at
-once, and sharded layouts read less than the whole checkpoint. A bridge whose table leaves a parameter unmapped
-cannot be registered.
+`row_blocks` its q/k/v are uncopied views of linear_qkv that flatten to those tensors. `save_hf` from a sharded
+layout reloads in transformers with the same logits. The import never holds more than one layer's tensors at once,
+and sharded layouts read less than the whole checkpoint. A bridge whose table leaves a parameter unmapped cannot be
+registered.
 """
 
 from __future__ import annotations
@@ -33,11 +36,19 @@ LAYOUTS: dict[str, dict[str, int]] = {
     "ep2": {"ep": 2},
     "tp2_ep2_etp1": {"tp": 2, "ep": 2, "etp": 1},
     "pp2_vpp2": {"pp": 2, "vpp": 2},
+    # Uneven stages of a 3-layer model (Megatron's TransformerConfig fields): 1 + 2 and 2 + 1 layers.
+    "pp2_first1": {"pp": 2, "fields": {"num_layers_in_first_pipeline_stage": 1}},
+    "pp2_last1": {"pp": 2, "fields": {"num_layers_in_last_pipeline_stage": 1}},
+    # 6 layers: 2 on the first stage (1 per virtual chunk), 4 on the last (2 per chunk)
+    "pp2_vpp2_first2": {"pp": 2, "vpp": 2, "fields": {"num_layers_in_first_pipeline_stage": 2}},
 }
 CASES = [(f, lay) for f in FAMILIES for lay in ("tp1", "tp2", "pp2")]
 CASES += [(f, lay) for f in MOE for lay in ("ep2", "tp2_ep2_etp1")]
 CASES += [("llama_tied4", "tp1"), ("llama_tied4", "pp2_vpp2"), ("llama_rope3", "tp2")]
 CASES += [("deepseek_v3_yarn", "tp1"), ("deepseek_v3_yarn", "tp2"), ("qwen3_kv1", "tp2")]
+# A vocabulary TP does not divide (padded to 1002 rows), and 3 layers over 2 pipeline stages.
+CASES += [("qwen3_vocab1001", "tp2"), ("qwen3_l3", "pp2_first1"), ("qwen3_l3", "pp2_last1"),
+          ("qwen3_moe_l3", "pp2_first1"), ("qwen3_l6", "pp2_vpp2_first2")]
 # DeepSeek-V3's published rope_scaling, with the original context scaled down to the tiny model's.
 DEEPSEEK_V3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 64,
                     "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -224,16 +235,21 @@ def _run_cases(
     tokens = _tokens()
     results = {}
     for family, layout_name in cases:
-        layout = ParallelLayout(**layouts[layout_name])
+        sizes = dict(layouts[layout_name])
+        fields = sizes.pop("fields", {})
+        layout = ParallelLayout(**sizes)
         initialize_model_parallel(layout)
         folder = folders[family]
         bridge = bridge_from_hf(folder)
-        chunks = build_model(bridge.transformer_config(**runtime_config(layout)), bridge.model_kwargs())
+        chunks = build_model(bridge.transformer_config(**runtime_config(layout, **fields)), bridge.model_kwargs())
         stats = bridge.load_hf(chunks, folder)
         with torch.no_grad():
             logits = _megatron_logits(chunks, tokens)
         result = {
-            "logits": logits,
+            "logits": None if logits is None else logits[..., : bridge.hf_config.vocab_size],
+            "vocab_rows": None if logits is None else logits.shape[-1],
+            "layers": sorted({int(t.name.split(".")[2]) for t in bridge.local_tensors(chunks)
+                              if t.name.startswith("decoder.layers.")}),
             "export": _check_export(bridge, chunks, folder),
             "buckets": _check_buckets(bridge, chunks),
             "tp_slices": _check_tp_slices(bridge, chunks, folder),
@@ -328,6 +344,10 @@ def world2(tmp_path_factory) -> dict:
     folders["qwen3_kv1"] = str(make_tiny_hf_model("qwen3", root / "qwen3_kv1", num_key_value_heads=1))
     folders["deepseek_v3_yarn"] = str(make_tiny_hf_model(
         "deepseek_v3", root / "deepseek_v3_yarn", rope_parameters=DEEPSEEK_V3_YARN, max_position_embeddings=2560))
+    folders["qwen3_vocab1001"] = str(make_tiny_hf_model("qwen3", root / "qwen3_vocab1001", vocab_size=1001))
+    folders["qwen3_l3"] = str(make_tiny_hf_model("qwen3", root / "qwen3_l3", num_hidden_layers=3))
+    folders["qwen3_moe_l3"] = str(make_tiny_hf_model("qwen3_moe", root / "qwen3_moe_l3", num_hidden_layers=3))
+    folders["qwen3_l6"] = str(make_tiny_hf_model("qwen3", root / "qwen3_l6", num_hidden_layers=6))
     save_root = root / "saved"
     per_rank = launch(_run_cases, WORLD, CASES, LAYOUTS, folders, str(save_root), SAVE_FROM, timeout_s=900)
     reference = {}
@@ -348,6 +368,20 @@ def test_megatron_logits_match_hf(world2, family, layout):
         megatron = logits  # GPTModel returns [batch, seq, vocab] when no labels are given
         assert megatron.shape == reference.shape
         assert (megatron - reference).abs().max().item() <= 1e-5
+
+
+def test_padded_vocabulary_rows_stay_in_the_trainer(world2):
+    """1001 tokens at TP=2: the model holds 1002 rows (the logits above compare the real 1001 with HF, the
+    exports are bit for bit HF's 1001 rows)."""
+    rows = [r[("qwen3_vocab1001", "tp2")]["vocab_rows"] for r in world2["per_rank"]]
+    assert rows == [1002, 1002]
+
+
+def test_uneven_pipeline_stages_hold_their_global_layers(world2):
+    for family, layout, stages in (("qwen3_l3", "pp2_first1", [[0], [1, 2]]), ("qwen3_l3", "pp2_last1", [[0, 1], [2]]),
+                                   ("qwen3_moe_l3", "pp2_first1", [[0], [1, 2]]),
+                                   ("qwen3_l6", "pp2_vpp2_first2", [[0, 3], [1, 2, 4, 5]])):
+        assert [r[(family, layout)]["layers"] for r in world2["per_rank"]] == stages, (family, layout)
 
 
 @pytest.mark.parametrize(("family", "layout"), CASES)

@@ -1,9 +1,10 @@
-"""`mrl convert` round trips are bit-identical: HF → Megatron dist-checkpoint at TP=2 → HF (read back at TP=1, so
-the checkpoint is layout-free), an MoE model through EP=2, and an RL checkpoint written by the engine (model +
-optimizer + LR schedule) → HF. A LoRA run's checkpoint (TP=2, adapters trained one step) converts to the merged
-HF model its engine exported, and (`--peft`, read at TP=2) to a PEFT folder whose per-projection factors give the
-same merged weights: W + (alpha / r)·B·A under PEFT's names of the HF weights. One world-2 launch runs every
-conversion."""
+"""`mrl convert` round trips are bit-identical: HF → Megatron dist-checkpoint at TP=2 → HF (read back at TP=1, so the
+checkpoint is layout-free), an MoE model through EP=2, and an RL checkpoint written by the engine (model + optimizer
++ LR schedule) → HF. A LoRA run's checkpoint (TP=2, adapters trained one step) converts to the merged HF model its
+engine exported, and (`--peft`, read at TP=2) to a PEFT folder whose per-projection factors give the same merged
+weights: W + (alpha / r)·B·A under PEFT's names of the HF weights. A 1001-token vocabulary (padded to 1002 rows at
+TP=2) round trips TP=2 → 1 and 1 → 2, and 3 layers written on uneven stages (1 + 2) read back as 2 + 1. One world-2
+launch runs every conversion."""
 
 import argparse
 import json
@@ -74,6 +75,8 @@ def _lora_checkpoint(hf, path):
 def test_conversions_round_trip_bit_identical(tmp_path):
     dense = make_tiny_hf_model("qwen3", tmp_path / "qwen3", seed=3)
     moe = make_tiny_hf_model("qwen3_moe", tmp_path / "moe", seed=4, dtype=torch.bfloat16)
+    odd = make_tiny_hf_model("qwen3", tmp_path / "odd", seed=5, vocab_size=1001)
+    three = make_tiny_hf_model("qwen3", tmp_path / "three", seed=6, num_hidden_layers=3)
     steps = [
         ToMegatron(str(dense), str(tmp_path / "mcore_tp2"), Layout(tp=2)),
         ToHF(str(tmp_path / "mcore_tp2"), str(tmp_path / "back_tp1"), Layout(tp=1)),
@@ -83,6 +86,14 @@ def test_conversions_round_trip_bit_identical(tmp_path):
         ToHF(str(tmp_path / "rl_ckpt_lora"), str(tmp_path / "lora_hf"), Layout(tp=1), hf_config=str(dense)),
         ToHF(str(tmp_path / "rl_ckpt_lora"), str(tmp_path / "lora_hf2"), Layout(tp=2), hf_config=str(dense),
              peft=str(tmp_path / "lora_peft")),
+        # a vocabulary TP=2 pads (1001 → 1002 rows) written at one TP and read at the other
+        ToMegatron(str(odd), str(tmp_path / "odd_tp2"), Layout(tp=2)),
+        ToHF(str(tmp_path / "odd_tp2"), str(tmp_path / "odd_back_tp1"), Layout(tp=1)),
+        ToMegatron(str(odd), str(tmp_path / "odd_tp1"), Layout()),
+        ToHF(str(tmp_path / "odd_tp1"), str(tmp_path / "odd_back_tp2"), Layout(tp=2)),
+        # 3 layers on uneven stages, written as 1 + 2 and read as 2 + 1
+        ToMegatron(str(three), str(tmp_path / "three_pp2"), Layout(pp=2, first=1)),
+        ToHF(str(tmp_path / "three_pp2"), str(tmp_path / "three_back"), Layout(pp=2, last=1)),
     ]
     merged = launch(_engine_checkpoint_then_convert, 2, str(dense), str(tmp_path / "rl_ckpt"), steps,
                     timeout_s=300)[0]
@@ -93,6 +104,10 @@ def test_conversions_round_trip_bit_identical(tmp_path):
     assert convert.read_metadata(str(tmp_path / "moe_ep2"))["dtype"] == "bfloat16"
     _assert_identical(moe, tmp_path / "moe_back")
     _assert_identical(dense, tmp_path / "rl_hf")
+    _assert_identical(odd, tmp_path / "odd_back_tp1")
+    _assert_identical(odd, tmp_path / "odd_back_tp2")
+    assert convert.read_metadata(str(tmp_path / "three_pp2"))["layout"]["first"] == 1
+    _assert_identical(three, tmp_path / "three_back")
     lora_hf, base = _tensors(tmp_path / "lora_hf"), _tensors(dense)
     assert sorted(lora_hf) == sorted(merged) == sorted(base)
     for name, tensor in merged.items():

@@ -14,7 +14,9 @@ packing several samples into one micro-batch gives the same gradients and log-pr
 at TP=1 and TP=2; and TP=2 with `compile_fusions` (compiled SwiGLU, residual add, RMSNorm and log-prob kernels,
 on CPU too) matches the eager single-process run. MoE layouts include expert-TP apart from TP (TP=2×EP=2 with
 ETP=1, trained) and the auxiliary losses on (TP=2 with SP); a model with one key-value head trains at TP=2 (fewer
-KV heads than TP). And router replay (R3) under TP=2×EP=2 with ETP=1: every rank routes every token to the
+KV heads than TP); a vocabulary of 1001 tokens trains at TP=2 (padded to 1002 rows: no log-prob mass and no
+gradient on the padded row, exports cut to the HF tensors); 4 layers train on PP=2 as 1 + 3 (uneven stages). And
+router replay (R3) under TP=2×EP=2 with ETP=1: every rank routes every token to the
 rollout engine's experts, with the single-process log-probs and update loss (routing_fixtures.py).
 
 LoRA (`lora*` cases, actor.lora on every dense target): TP=2 (with and without sequence parallelism) and PP=2
@@ -35,6 +37,7 @@ from mrl.utils.distributed import launch
 pytestmark = pytest.mark.integration
 
 VOCAB = 512
+ODD_VOCAB = 1001
 LR = 1e-3
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 MOE_OVERRIDES = {"moe_aux_loss_coeff": 0.0, "moe_router_load_balancing_type": "none"}
@@ -186,8 +189,10 @@ def models(tmp_path_factory):
     near_tie = make_near_tie_moe(root / "near_tie")
     # One key-value head under TP=2: megatron-core all-gathers the QKV projection (fewer KV heads than TP).
     kv1 = make_tiny_hf_model("qwen3", root / "kv1", tokenizer=False, vocab_size=VOCAB, num_key_value_heads=1)
+    # A vocabulary TP=2 does not divide: the engine pads it to 1002 rows.
+    odd = make_tiny_hf_model("qwen3", root / "odd_vocab", tokenizer=False, vocab_size=ODD_VOCAB)
     return {"dense": str(dense), "moe": str(moe), "near_tie": near_tie, "rollouts": rollouts(near_tie),
-            "kv1": str(kv1)}
+            "kv1": str(kv1), "odd_vocab": str(odd)}
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +204,7 @@ def reference(models):
         ("packing_tp1", models["dense"], {}, {}, {}),
         ("replay", models["near_tie"], {}, models["rollouts"], {}),
         ("dense_kv1", models["kv1"], {}, {"micro_batch_size": 3}, {}),
+        ("dense_odd_vocab", models["odd_vocab"], {}, {"micro_batch_size": 3}, {}),
         ("lora", models["dense"], {}, {"micro_batch_size": 3}, {}),
         ("tempered", models["dense"], {}, {}, {}),
     ]
@@ -316,6 +322,9 @@ def test_world2_layouts_match_single_process(models, reference):
         ("dp2_distopt", d, {"use_distributed_optimizer": True}, {"micro_batch_size": 1}, {}),
         ("ep2", m, {"expert_model_parallel_size": 2}, DYNAMIC, MOE_OVERRIDES),
         ("tp2_kv1", models["kv1"], {"tensor_model_parallel_size": 2}, DYNAMIC, {}),
+        ("tp2_odd_vocab", models["odd_vocab"], {"tensor_model_parallel_size": 2}, DYNAMIC, {}),
+        # 4 layers as 1 + 3 (Megatron's num_layers_in_first_pipeline_stage)
+        ("pp2_first1", d, {"pipeline_model_parallel_size": 2, "num_layers_in_first_pipeline_stage": 1}, DYNAMIC, {}),
         # The auxiliary losses balance the tokens of each micro-batch, so only a layout that keeps the reference's
         # micro-batches (TP, no DP split) can match it: under EP=2 (DP=2) the grad norm differed by 0.3 %.
         ("tp2_sp_aux", m, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, {"micro_batch_size": 3},
@@ -344,7 +353,8 @@ def check_all(results: list[dict], reference: dict, names: list[str]) -> None:
                     assert_packing_matches(result[name], f"{name} rank {rank}")
                 else:
                     ref = ("moe_aux" if "aux" in name else "moe" if "ep" in name else "dense_kv1" if "kv1" in name
-                           else "lora" if name.startswith("lora") else "dense")
+                           else "dense_odd_vocab" if "odd_vocab" in name else "lora" if name.startswith("lora")
+                           else "dense")
                     assert_matches(result[name], reference[ref], f"{name} rank {rank}")
                     if name.startswith("lora"):
                         assert (result[name]["base_after"] == result[name]["base_before"]).all(), name

@@ -19,7 +19,7 @@ from mrl import cli
 from mrl.config.startup.loader import RECIPES_DIR
 from mrl.trainer import main as train_main
 
-ODD_VOCAB = {**DENSE, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 501}
+ODD_VOCAB = {**DENSE, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 9}
 BASE = ["model.path={dense}", "data.train_files=[{train}]", "data.max_prompt_length=64",
         "data.max_response_length=16"]
 FAMILY_BASE = ["model.path={family}", "data.train_files=[{prompts}]", "data.val_files=[]"]
@@ -28,6 +28,8 @@ FAMILY_MODELS = {"llama3/8b_grpo": "Llama-3.1-8B", "qwen2_5/7b_grpo": "Qwen2.5-7
                  "deepseek_v3/671b_grpo": "DeepSeek-V3"}
 GAE = ["critic.enable=true", "algorithm.adv_estimator=gae"]
 NO_KL = ["actor.use_kl_loss=false"]  # family cases change the actor alone (the reference must match it)
+EVEN = ["actor.megatron.num_layers_in_first_pipeline_stage=null",  # PP 1: no uneven split
+        "actor.megatron.num_layers_in_last_pipeline_stage=null"]
 SEPARATE = ["trainer.mode=separate_async", "rollout.mode=standalone", "weight_sync.transport=nccl",
             "rollout.nnodes=1", "weight_sync.parameter_sync_step=2"]
 
@@ -165,11 +167,21 @@ TINY = [
      "rollout.tensor_model_parallel_size", "the standalone pool's 3 device slots"),
     ([*SEPARATE, "rollout.n_gpus_per_node=1", "rollout.num_replicas=2"], "rollout.num_replicas",
      "exceed the standalone pool's 1 device slots"),
-    # the model's vocabulary over TP
-    (["model.path={odd_vocab}", "resources.n_gpus_per_node=2", "actor.megatron.tensor_model_parallel_size=2"],
-     "actor.megatron.tensor_model_parallel_size", "vocabulary (501 tokens)"),
-    ([*GAE, "model.path={odd_vocab}", "resources.n_gpus_per_node=2", "critic.megatron.tensor_model_parallel_size=2"],
-     "critic.megatron.tensor_model_parallel_size", "vocabulary (501 tokens)"),
+    # the model's 3 layers over 2 pipeline stages: even, or uneven with stages that hold them all
+    (["resources.n_gpus_per_node=2", "actor.megatron.pipeline_model_parallel_size=2"],
+     "actor.megatron.pipeline_model_parallel_size", "(or set num_layers_in_first/last_pipeline_stage"),
+    (["resources.n_gpus_per_node=2", "actor.megatron.pipeline_model_parallel_size=2",
+      "actor.megatron.num_layers_in_first_pipeline_stage=2", "actor.megatron.num_layers_in_last_pipeline_stage=2"],
+     "actor.megatron.pipeline_model_parallel_size", "the other -1 of the model's 3 layers"),
+    (["actor.megatron.num_layers_in_last_pipeline_stage=0"], "actor.megatron.num_layers_in_last_pipeline_stage",
+     ">= 1"),
+    (["actor.megatron.num_layers_in_first_pipeline_stage=1"], "actor.megatron.num_layers_in_first_pipeline_stage",
+     "needs pipeline_model_parallel_size > 1"),
+    # the model's vocabulary over TP: padded to a multiple of TP, but a rank would hold only padding
+    (["model.path={odd_vocab}", "resources.n_gpus_per_node=4", "actor.megatron.tensor_model_parallel_size=4"],
+     "actor.megatron.tensor_model_parallel_size", "vocabulary (9 tokens)"),
+    ([*GAE, "model.path={odd_vocab}", "resources.n_gpus_per_node=4", "critic.megatron.tensor_model_parallel_size=4"],
+     "critic.megatron.tensor_model_parallel_size", "vocabulary (9 tokens)"),
 ]
 
 # (recipe, overrides, setting, rule) on each family's recipe with its model's config.json (FAMILY_BASE).
@@ -200,10 +212,10 @@ FAMILIES = [
      "actor.megatron.pipeline_model_parallel_size", "the model's 94 layers"),
     ("qwen3_moe/235b_a22b_grpo", ["actor.megatron.tensor_model_parallel_size=128",
                                   "actor.megatron.pipeline_model_parallel_size=1",
-                                  "actor.megatron.expert_model_parallel_size=1"],
+                                  "actor.megatron.expert_model_parallel_size=1", *EVEN],
      "actor.megatron.tensor_model_parallel_size", "attention heads (64)"),
     ("deepseek_v3/671b_grpo", ["resources.nnodes=12", "actor.megatron.pipeline_model_parallel_size=1",
-                               "actor.megatron.expert_model_parallel_size=96"],
+                               "actor.megatron.expert_model_parallel_size=96", *EVEN],
      "actor.megatron.expert_model_parallel_size", "routed experts (256)"),
     ("deepseek_v3/671b_grpo", ["actor.megatron.sequence_parallel=false"],
      "actor.megatron.sequence_parallel", "sequence parallel for MoE with TP > 1"),
@@ -318,6 +330,18 @@ def test_a_valid_run_gets_past_the_rules_to_ray(paths, monkeypatch):
     with pytest.raises(SystemExit):
         cli.main(["train", "tiny/grpo", *[o.format(**paths) for o in BASE]])
     assert started  # the BASE the cases start from is valid: each case's line is its own setting's
+
+
+def test_an_uneven_pipeline_split_that_holds_every_layer_gets_past_the_rules(paths, monkeypatch):
+    """3 layers over PP 2 as 1 + 2 (Megatron's num_layers_in_first_pipeline_stage) is accepted."""
+    started = []
+    monkeypatch.setattr(train_main, "init_ray", lambda *a, **k: started.append(a) or (_ for _ in ()).throw(
+        SystemExit(0)))
+    split = ["resources.n_gpus_per_node=2", "actor.megatron.pipeline_model_parallel_size=2",
+             "actor.megatron.num_layers_in_first_pipeline_stage=1"]
+    with pytest.raises(SystemExit):
+        cli.main(["train", "tiny/grpo", *[o.format(**paths) for o in BASE], *split])
+    assert started
 
 
 def test_mrl_train_needs_a_recipe(capsys):

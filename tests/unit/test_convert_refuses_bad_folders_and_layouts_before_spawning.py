@@ -37,6 +37,27 @@ def test_a_layout_the_model_cannot_split_into_is_named(tmp_path, capsys):
         "mrl: --tp=4: must divide the model's attention heads (6) and key-value heads (2), or be a "
         "multiple of the key-value heads"]
     assert _convert(capsys, "to-megatron", str(tmp_path), str(tmp_path / "out"), "--pp", "2") == [
-        "mrl: --pp=2: PP × VPP = 2 model chunks must divide the model's 3 layers"]
+        "mrl: --pp=2: PP × VPP = 2 model chunks must divide the model's 3 layers (or set "
+        "num_layers_in_first/last_pipeline_stage for an uneven split)"]
+    assert _convert(capsys, "to-megatron", str(tmp_path), str(tmp_path / "out"), "--pp", "2", "--first", "2",
+                    "--last", "2") == [
+        "mrl: --pp=2: with num_layers_in_first_pipeline_stage=2, num_layers_in_last_pipeline_stage=2, the other -1 "
+        "of the model's 3 layers must split evenly over the 0 middle stage(s) (each stage's layers a multiple of "
+        "VPP = 1)"]
     assert _convert(capsys, "to-megatron", str(tmp_path), str(tmp_path / "out"), "--ep", "2") == [
         "mrl: --ep=2: the model has no experts (dense): expert parallel needs an MoE model"]
+
+
+def test_an_uneven_pipeline_split_is_accepted_and_recorded(tmp_path):
+    """3 layers over PP 2: 1 + 2 with --first 1 (Megatron's num_layers_in_first_pipeline_stage)."""
+    import argparse
+
+    from mrl.tools.convert import add_arguments, check_steps, steps_from_args
+
+    (tmp_path / "config.json").write_text(json.dumps(MODEL))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["to-megatron", str(tmp_path), str(tmp_path / "out"), "--pp", "2", "--first", "1"])
+    steps = steps_from_args(args)
+    check_steps(steps)
+    assert steps[0].layout.stage_fields() == {"num_layers_in_first_pipeline_stage": 1}

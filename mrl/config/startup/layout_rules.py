@@ -98,7 +98,14 @@ def _model_shape(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
         tp, pp, vpp, ep = (_get(cfg, f"{m}.{k}") for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                                            "virtual_pipeline_model_parallel_size",
                                                            "expert_model_parallel_size"))
-        for knob, why in layout_shape_problems(hf, tp, pp, vpp, ep, _get(cfg, f"{m}.override_transformer_config")):
+        split = {k: _get(cfg, f"{m}.{k}") for k in ("num_layers_in_first_pipeline_stage",
+                                                   "num_layers_in_last_pipeline_stage")}
+        split = {k: n for k, n in split.items() if n is not None and n >= 1}  # below 1: the field's own line
+        if split and pp == 1:
+            yield from (Violation(f"{m}.{k}", n, "an uneven pipeline split needs pipeline_model_parallel_size > 1")
+                        for k, n in split.items())
+            split = {}
+        for knob, why in layout_shape_problems(hf, tp, pp, vpp, ep, split):
             yield Violation(f"{m}.{knob}", _get(cfg, f"{m}.{knob}"), why)
         if experts and tp > 1 and not _get(cfg, f"{m}.sequence_parallel"):
             yield Violation(f"{m}.sequence_parallel", False, "Megatron needs sequence parallel for MoE with TP > 1")

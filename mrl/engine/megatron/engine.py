@@ -119,7 +119,7 @@ class MegatronEngine(BaseEngine):
 
         from bridges.registry import bridge_for
         from mrl.engine.megatron.attention import compile_norms
-        from mrl.engine.megatron.model import fusion_fields, runtime_config
+        from mrl.engine.megatron.model import fusion_fields, runtime_config, stage_fields
         from mrl.engine.megatron.parallel import init_distributed, initialize_model_parallel
 
         init_distributed()
@@ -131,6 +131,7 @@ class MegatronEngine(BaseEngine):
             **fusion_fields(self.bridge.config_fields(), self.compiled_kernels),
             **self._recompute_fields(),
             **({"moe_enable_routing_replay": True} if self.trace_routing else {}),
+            **stage_fields(self.cfg),
             **self.cfg.override_transformer_config,
         }
         fields = runtime_config(
@@ -359,6 +360,7 @@ class MegatronEngine(BaseEngine):
             "keep_logits_bytes": int(self.cfg.logprob_keep_logits_gib * 2**30),
             "compiled": self.compiled_kernels,
             "temperature": self.temperature,
+            "vocab_size": self.bridge.hf_config.vocab_size,
         }
 
     def _token_outputs(self, mb: PackedMicroBatch, output: Any) -> dict[str, Tensor]:

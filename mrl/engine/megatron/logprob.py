@@ -191,6 +191,12 @@ def output_processor(
     if temperature != 1.0:
         hidden_states = hidden_states / temperature
     rank = parallel_state.get_tensor_model_parallel_rank()
+    vocab_start = rank * weight.shape[0]
+    vocab = context.get("vocab_size")
+    if vocab is not None and vocab_start + weight.shape[0] > vocab:
+        # Rows past the HF vocabulary pad it to a multiple of TP: they are no tokens, so they take no mass (as
+        # logits of -inf would) and their rows get no gradient.
+        weight = weight[: vocab - vocab_start]  # start-up: every rank holds real rows
     s, b, h = hidden_states.shape
     labels = context["labels"].transpose(0, 1).reshape(-1)  # [b, s] → s-major like the hidden states
     logp, ent = vocab_parallel_logprobs(
@@ -198,7 +204,7 @@ def output_processor(
         weight,
         labels,
         tp_group=group,
-        vocab_start=rank * weight.shape[0],
+        vocab_start=vocab_start,
         chunk_tokens=context.get("chunk_tokens", DEFAULT_CHUNK_TOKENS),
         keep_logits_bytes=context.get("keep_logits_bytes", DEFAULT_KEEP_LOGITS_BYTES),
         compiled=context.get("compiled"),

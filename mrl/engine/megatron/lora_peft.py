@@ -36,9 +36,9 @@ def _host(tensor: torch.Tensor) -> torch.Tensor:
 
 def stage_tensors(bridge: Any, chunks: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor]:
     """This pipeline stage's adapters, PEFT-named host tensors (the same on every TP rank; collective over TP)."""
-    from bridges.export import _config_of, _gather
+    from bridges.export import _gather
 
-    shape = bridge.model_shape(_config_of(chunks[0]))
+    shape = bridge.chunk_shape(chunks)
     out: dict[str, torch.Tensor] = {}
     for local in bridge.local_tensors(chunks):
         adapter = getattr(local.tensor, "lora_adapter", None)

@@ -28,6 +28,14 @@ def transformer_engine_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
+STAGE_FIELDS = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
+
+
+def stage_fields(megatron: Any) -> dict[str, int]:
+    """The uneven pipeline split of a MegatronConfig as TransformerConfig fields (those that are set)."""
+    return {k: getattr(megatron, k) for k in STAGE_FIELDS if getattr(megatron, k, None) is not None}
+
+
 def runtime_config(
     layout: ParallelLayout,
     *,
@@ -152,16 +160,20 @@ def build_model(
     """GPTModel chunks of this rank: one per virtual stage (a single chunk without VPP), on the current device.
 
     Each chunk gets pre/post-processing (embedding, final norm and output layer) only where it is the
-    first/last stage of the whole pipeline. `spec(config, vp_stage)` replaces `layer_spec` (e.g. a spec with a
-    different core-attention module).
+    first/last stage of the whole pipeline. A vocabulary that TP does not divide is padded to a multiple of TP
+    (the bridge fills the padded rows with zeros and never exports them; log-probs put no mass on them).
+    `spec(config, vp_stage)` replaces `layer_spec` (e.g. a spec with a different core-attention module).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
+    from bridges.mapping import padded_vocab_size
     from mrl.engine.megatron import cpu_compat, rope
 
     cpu_compat.apply()
     rope.install()
+    vocab = model_kwargs["vocab_size"]
+    model_kwargs = {**model_kwargs, "vocab_size": padded_vocab_size(vocab, config.tensor_model_parallel_size)}
     vpp = config.virtual_pipeline_model_parallel_size
     stages = [None] if not vpp or vpp == 1 else list(range(vpp))
     chunks: list[torch.nn.Module] = []
