@@ -207,9 +207,10 @@ def pipeline_split_problem(layers: int, pp: int, vpp: int | None, overrides: Any
 
 
 def layout_shape_problems(hf: dict[str, Any], tp: int, pp: int, vpp: int | None, ep: int,
-                          overrides: Any = None) -> Iterator[tuple[str, str]]:
+                          overrides: Any = None, vocab_divisor: int = 1) -> Iterator[tuple[str, str]]:
     """(layout knob, rule) for each way a Megatron layout does not fit the model's HF config: TP over heads,
-    key-value heads and the vocabulary (padded to a multiple of TP, every rank holding real rows), PP × VPP over
+    key-value heads and the vocabulary (padded to a multiple of vocab_divisor × TP, every rank holding real rows),
+    PP × VPP over
     layers, EP over routed experts. Shared by the start-up rules and `mrl convert`."""
     heads = int(hf.get("num_attention_heads", 1))
     kv_heads = int(hf.get("num_key_value_heads") or heads)
@@ -219,10 +220,12 @@ def layout_shape_problems(hf: dict[str, Any], tp: int, pp: int, vpp: int | None,
     if tp >= 1 and (heads % tp or (kv_heads % tp and tp % kv_heads)):
         yield "tensor_model_parallel_size", (f"must divide the model's attention heads ({heads}) and key-value "
                                              f"heads ({kv_heads}), or be a multiple of the key-value heads")
-    elif tp > 1 and vocab and vocab % tp and (-(-vocab // tp) * tp - vocab) >= -(-vocab // tp):
-        # Megatron pads the vocabulary to a multiple of TP; every rank must still hold a real row.
-        yield "tensor_model_parallel_size", (f"pads the model's vocabulary ({vocab} tokens) so that a rank "
-                                             "holds only padding: use a smaller TP")
+    elif tp > 1 and vocab and (tp - 1) * -(-vocab // (step := max(vocab_divisor, 1) * tp)) * step // tp >= vocab:
+        # Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by × TP (bridges/mapping.py
+        # padded_vocab_size) and gives each rank an equal block of rows: the last rank must still hold a real row.
+        yield "tensor_model_parallel_size", (f"pads the model's vocabulary ({vocab} tokens) to a multiple of {step} "
+                                             "rows (make_vocab_size_divisible_by × TP), so a rank holds only "
+                                             "padding: use a smaller TP or divisor")
     split = pipeline_split_problem(layers, pp, vpp, overrides or {})
     if split and not (pp == 1 and (vpp or 1) > 1):  # VPP without PP: its own line
         yield "pipeline_model_parallel_size", split

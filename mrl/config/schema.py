@@ -94,6 +94,10 @@ class MegatronConfig:
     num_layers_in_first_pipeline_stage: int | None = None
     # Layers of the last pipeline stage (uneven split, as num_layers_in_first_pipeline_stage); None: an even share.
     num_layers_in_last_pipeline_stage: int | None = None
+    # Megatron's make_vocab_size_divisible_by: the embedding and output layer hold the vocabulary rounded up to a
+    # multiple of this × TP (128 gives GEMM-friendly shapes; Megatron-LM's default). The padded rows never leave
+    # the trainer: exports cut them, log-probs put no mass on them. 1: pad only to a multiple of TP.
+    make_vocab_size_divisible_by: int = 1
     # Context parallel size (CP): not built yet, so above 1 it is refused at start-up (without TransformerEngine
     # it cannot run; with it, packing does not split sequences over CP ranks and losses are scaled over DP only).
     context_parallel_size: int = 1

@@ -41,6 +41,7 @@ class Layout:
     vpp: int | None = None
     first: int | None = None  # layers of the first pipeline stage (uneven split); None: even
     last: int | None = None  # layers of the last pipeline stage
+    vocab_divisor: int = 1  # the training run's make_vocab_size_divisible_by: the padded rows must match
 
     def stage_fields(self) -> dict[str, int]:
         """The uneven split as TransformerConfig fields (those that are set)."""
@@ -90,7 +91,7 @@ def _build(hf_folder: str, layout: Layout, dtype_name: str | None) -> tuple[Any,
     bridge = bridge_from_hf(hf_folder)
     dtype = _torch_dtype(dtype_name, bridge.hf_config)
     fields = runtime_config(parallel, params_dtype=dtype, **layout.stage_fields())
-    chunks = build_chunks(bridge.transformer_config(**fields), bridge.model_kwargs())
+    chunks = build_chunks(bridge.transformer_config(**fields), bridge.model_kwargs(), layout.vocab_divisor)
     return bridge, chunks, dtype
 
 
@@ -169,6 +170,8 @@ def _layout_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank")
     parser.add_argument("--first", type=int, default=None, help="layers of the first pipeline stage (uneven split)")
     parser.add_argument("--last", type=int, default=None, help="layers of the last pipeline stage (uneven split)")
+    parser.add_argument("--vocab-divisor", type=int, default=None,
+                        help="the run's make_vocab_size_divisible_by (vocabulary padded to a multiple of it × TP)")
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
     parser.add_argument("--timeout-s", type=float, default=24 * 3600.0)
 
@@ -189,7 +192,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def steps_from_args(args: argparse.Namespace) -> list[ToMegatron | ToHF]:
     recorded = read_metadata(args.checkpoint).get("layout", {}) if args.direction == "to-hf" else {}
-    given = {k: getattr(args, k) for k in ("tp", "pp", "ep", "etp", "vpp", "first", "last")
+    given = {k: getattr(args, k) for k in ("tp", "pp", "ep", "etp", "vpp", "first", "last", "vocab_divisor")
              if getattr(args, k) is not None}
     if "pp" in given:  # a new pipeline size: the recorded uneven split was the old one's
         recorded = {k: v for k, v in recorded.items() if k not in ("first", "last")}
@@ -223,12 +226,13 @@ def check_steps(steps: list[ToMegatron | ToHF]) -> None:
                                       + (" with --hf-config" if source != "hf" else "")))
         if step.dtype is not None and step.dtype not in ("float32", "bfloat16", "float16"):
             problems.append(Violation("--dtype", step.dtype, "must be one of float32, bfloat16, float16"))
-        sizes = {f"--{k}": getattr(step.layout, k) for k in ("tp", "pp", "ep", "etp", "vpp", "first", "last")}
+        sizes = {f"--{k.replace('_', '-')}": getattr(step.layout, k)
+                 for k in ("tp", "pp", "ep", "etp", "vpp", "first", "last", "vocab_divisor")}
         problems += [Violation(flag, n, "must be >= 1") for flag, n in sizes.items() if n is not None and n < 1]
         if config.is_file() and not problems:
             lay = step.layout
             for knob, why in layout_shape_problems(json.loads(config.read_text()), lay.tp, lay.pp, lay.vpp, lay.ep,
-                                                   lay.stage_fields()):
+                                                   lay.stage_fields(), vocab_divisor=lay.vocab_divisor):
                 problems.append(Violation(flags[knob], getattr(lay, flags[knob][2:]), why))
     if problems:
         raise ConfigError(problems)

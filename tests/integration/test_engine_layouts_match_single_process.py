@@ -15,7 +15,8 @@ at TP=1 and TP=2; and TP=2 with `compile_fusions` (compiled SwiGLU, residual add
 on CPU too) matches the eager single-process run. MoE layouts include expert-TP apart from TP (TP=2×EP=2 with
 ETP=1, trained) and the auxiliary losses on (TP=2 with SP); a model with one key-value head trains at TP=2 (fewer
 KV heads than TP); a vocabulary of 1001 tokens trains at TP=2 (padded to 1002 rows: no log-prob mass and no
-gradient on the padded row, exports cut to the HF tensors); 4 layers train on PP=2 as 1 + 3 (uneven stages). And
+gradient on the padded row, exports cut to the HF tensors; and to 1024 rows with make_vocab_size_divisible_by
+128); 4 layers train on PP=2 as 1 + 3 (uneven stages). And
 router replay (R3) under TP=2×EP=2 with ETP=1: every rank routes every token to the
 rollout engine's experts, with the single-process log-probs and update loss (routing_fixtures.py).
 
@@ -323,6 +324,9 @@ def test_world2_layouts_match_single_process(models, reference):
         ("ep2", m, {"expert_model_parallel_size": 2}, DYNAMIC, MOE_OVERRIDES),
         ("tp2_kv1", models["kv1"], {"tensor_model_parallel_size": 2}, DYNAMIC, {}),
         ("tp2_odd_vocab", models["odd_vocab"], {"tensor_model_parallel_size": 2}, DYNAMIC, {}),
+        # Megatron's make_vocab_size_divisible_by: 1024 rows, rank 1's last 23 of them padding
+        ("tp2_odd_vocab_div128", models["odd_vocab"], {"tensor_model_parallel_size": 2,
+                                                       "make_vocab_size_divisible_by": 128}, DYNAMIC, {}),
         # 4 layers as 1 + 3 (Megatron's num_layers_in_first_pipeline_stage)
         ("pp2_first1", d, {"pipeline_model_parallel_size": 2, "num_layers_in_first_pipeline_stage": 1}, DYNAMIC, {}),
         # The auxiliary losses balance the tokens of each micro-batch, so only a layout that keeps the reference's

@@ -21,10 +21,11 @@ def test_padded_size_is_megatrons():
 
 @pytest.mark.parametrize("mapping", [Vocab("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
                                      Tied("output_layer.weight", "model.embed_tokens.weight")])
-@pytest.mark.parametrize(("vocab", "tp"), [(1001, 2), (1001, 4), (1000, 4), (7, 4)])
-def test_import_pads_with_zeros_and_export_cuts_to_the_hf_tensor(mapping, vocab, tp):
+@pytest.mark.parametrize(("vocab", "tp", "divisor"), [(1001, 2, 1), (1001, 4, 1), (1000, 4, 1), (7, 4, 1),
+                                                     (1001, 2, 128), (1000, 4, 64)])
+def test_import_pads_with_zeros_and_export_cuts_to_the_hf_tensor(mapping, vocab, tp, divisor):
     hf = torch.randn(vocab, 8)
-    padded = padded_vocab_size(vocab, tp)
+    padded = padded_vocab_size(vocab, tp, divisor)
     shape = ModelShape(2, 2, 4, vocab=vocab, padded_vocab=padded)
     shards = [mapping.load([hf], Shard(r, tp), shape) for r in range(tp)]
     assert all(s.shape == (padded // tp, 8) for s in shards)
@@ -33,11 +34,13 @@ def test_import_pads_with_zeros_and_export_cuts_to_the_hf_tensor(mapping, vocab,
     assert torch.equal(VocabParallel.to_hf(mapping, full, shape)[0], hf)
 
 
-@pytest.mark.parametrize(("vocab", "tp", "refused"), [(1001, 2, False), (501, 2, False), (151665, 8, False),
-                                                      (9, 4, True), (1, 2, True), (10, 4, False)])
-def test_start_up_refuses_only_a_rank_of_padding(vocab, tp, refused):
+@pytest.mark.parametrize(("vocab", "tp", "divisor", "refused"),
+                         [(1001, 2, 1, False), (501, 2, 1, False), (151665, 8, 1, False), (9, 4, 1, True),
+                          (1, 2, 1, True), (10, 4, 1, False), (1001, 2, 128, False), (151665, 8, 128, False),
+                          (1001, 4, 512, True), (1000, 2, 1024, True)])
+def test_start_up_refuses_only_a_rank_of_padding(vocab, tp, divisor, refused):
     hf = {"num_attention_heads": 8, "num_key_value_heads": 8, "num_hidden_layers": 2, "vocab_size": vocab}
-    problems = dict(layout_shape_problems(hf, tp, 1, None, 1))
+    problems = dict(layout_shape_problems(hf, tp, 1, None, 1, vocab_divisor=divisor))
     assert ("tensor_model_parallel_size" in problems) == refused, problems
     if refused:
         assert f"vocabulary ({vocab} tokens)" in problems["tensor_model_parallel_size"]

@@ -182,6 +182,11 @@ TINY = [
      "actor.megatron.tensor_model_parallel_size", "vocabulary (9 tokens)"),
     ([*GAE, "model.path={odd_vocab}", "resources.n_gpus_per_node=4", "critic.megatron.tensor_model_parallel_size=4"],
      "critic.megatron.tensor_model_parallel_size", "vocabulary (9 tokens)"),
+    # Megatron's make_vocab_size_divisible_by: 9 tokens padded to 32 rows at TP 2, so rank 1 holds rows 16-31
+    (["model.path={odd_vocab}", "resources.n_gpus_per_node=2", "actor.megatron.tensor_model_parallel_size=2",
+      "actor.megatron.make_vocab_size_divisible_by=16"], "actor.megatron.tensor_model_parallel_size",
+     "multiple of 32 rows (make_vocab_size_divisible_by × TP)"),
+    (["actor.megatron.make_vocab_size_divisible_by=0"], "actor.megatron.make_vocab_size_divisible_by", ">= 1"),
 ]
 
 # (recipe, overrides, setting, rule) on each family's recipe with its model's config.json (FAMILY_BASE).

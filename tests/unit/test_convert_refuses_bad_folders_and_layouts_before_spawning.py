@@ -46,6 +46,13 @@ def test_a_layout_the_model_cannot_split_into_is_named(tmp_path, capsys):
         "VPP = 1)"]
     assert _convert(capsys, "to-megatron", str(tmp_path), str(tmp_path / "out"), "--ep", "2") == [
         "mrl: --ep=2: the model has no experts (dense): expert parallel needs an MoE model"]
+    # 512 tokens padded to a multiple of 512 × 2 rows: rank 1 would hold rows 512-1023, all padding
+    assert _convert(capsys, "to-megatron", str(tmp_path), str(tmp_path / "out"), "--tp", "2", "--vocab-divisor",
+                    "512") == [
+        "mrl: --tp=2: pads the model's vocabulary (512 tokens) to a multiple of 1024 rows "
+        "(make_vocab_size_divisible_by × TP), so a rank holds only padding: use a smaller TP or divisor"]
+    assert _convert(capsys, "to-megatron", str(tmp_path), str(tmp_path / "out"), "--vocab-divisor", "0") == [
+        "mrl: --vocab-divisor=0: must be >= 1"]
 
 
 def test_an_uneven_pipeline_split_is_accepted_and_recorded(tmp_path):

@@ -33,7 +33,8 @@ RANGES: tuple[tuple[str, float | None, float | None, bool, bool], ...] = (
     ("reward.max_error_rate", 0.0, 1.0, True, True),
     *((f"{role}.megatron.{key}", 1, None, True, False) for role in ENGINE_ROLES
       for key in ("virtual_pipeline_model_parallel_size", "expert_tensor_parallel_size",
-                  "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")),
+                  "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+                  "make_vocab_size_divisible_by")),
 )
 
 

@@ -105,7 +105,8 @@ def _model_shape(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
             yield from (Violation(f"{m}.{k}", n, "an uneven pipeline split needs pipeline_model_parallel_size > 1")
                         for k, n in split.items())
             split = {}
-        for knob, why in layout_shape_problems(hf, tp, pp, vpp, ep, split):
+        divisor = _get(cfg, f"{m}.make_vocab_size_divisible_by") or 1
+        for knob, why in layout_shape_problems(hf, tp, pp, vpp, ep, split, vocab_divisor=divisor):
             yield Violation(f"{m}.{knob}", _get(cfg, f"{m}.{knob}"), why)
         if experts and tp > 1 and not _get(cfg, f"{m}.sequence_parallel"):
             yield Violation(f"{m}.sequence_parallel", False, "Megatron needs sequence parallel for MoE with TP > 1")

@@ -138,7 +138,7 @@ class MegatronEngine(BaseEngine):
             self.layout, params_dtype=dtype, sequence_parallel=self.cfg.sequence_parallel, **overrides
         )
         self.tf_config = self.bridge.transformer_config(**fields)
-        chunks = build_chunks(self.tf_config, self.bridge.model_kwargs())
+        chunks = build_chunks(self.tf_config, self.bridge.model_kwargs(), self.cfg.make_vocab_size_divisible_by)
         compile_norms(chunks, self.compiled_kernels)
         self._prepare_chunks(chunks)
         self.bridge.load_hf(chunks, self.model_path)
@@ -575,12 +575,13 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def build_chunks(config: Any, model_kwargs: Mapping[str, Any]) -> list[torch.nn.Module]:
+def build_chunks(config: Any, model_kwargs: Mapping[str, Any], vocab_divisor: int = 1) -> list[torch.nn.Module]:
     """GPTModel chunks (one per virtual stage) with packing-capable attention: TransformerEngine's spec when TE is
-    importable, else the local spec with SdpaAttention."""
+    importable, else the local spec with SdpaAttention. The vocabulary is padded to a multiple of vocab_divisor × TP."""
     from mrl.engine.megatron.attention import sdpa_layer_spec
     from mrl.engine.megatron.model import build_model, transformer_engine_available
 
     if transformer_engine_available():
-        return build_model(config, dict(model_kwargs), use_te=True)
-    return build_model(config, dict(model_kwargs), spec=lambda cfg, vp_stage: sdpa_layer_spec(cfg, vp_stage=vp_stage))
+        return build_model(config, dict(model_kwargs), use_te=True, vocab_divisor=vocab_divisor)
+    return build_model(config, dict(model_kwargs), spec=lambda cfg, vp_stage: sdpa_layer_spec(cfg, vp_stage=vp_stage),
+                       vocab_divisor=vocab_divisor)

@@ -156,12 +156,14 @@ def build_model(
     *,
     use_te: bool | None = None,
     spec: Callable[[Any, int | None], Any] | None = None,
+    vocab_divisor: int = 1,
 ) -> list[torch.nn.Module]:
     """GPTModel chunks of this rank: one per virtual stage (a single chunk without VPP), on the current device.
 
     Each chunk gets pre/post-processing (embedding, final norm and output layer) only where it is the
-    first/last stage of the whole pipeline. A vocabulary that TP does not divide is padded to a multiple of TP
-    (the bridge fills the padded rows with zeros and never exports them; log-probs put no mass on them).
+    first/last stage of the whole pipeline. The vocabulary is padded to a multiple of `vocab_divisor` × TP
+    (Megatron's make_vocab_size_divisible_by): the bridge fills the padded rows with zeros and never exports them,
+    log-probs put no mass on them.
     `spec(config, vp_stage)` replaces `layer_spec` (e.g. a spec with a different core-attention module).
     """
     from megatron.core import parallel_state as ps
@@ -173,7 +175,8 @@ def build_model(
     cpu_compat.apply()
     rope.install()
     vocab = model_kwargs["vocab_size"]
-    model_kwargs = {**model_kwargs, "vocab_size": padded_vocab_size(vocab, config.tensor_model_parallel_size)}
+    model_kwargs = {**model_kwargs, "vocab_size": padded_vocab_size(vocab, config.tensor_model_parallel_size,
+                                                                    vocab_divisor)}
     vpp = config.virtual_pipeline_model_parallel_size
     stages = [None] if not vpp or vpp == 1 else list(range(vpp))
     chunks: list[torch.nn.Module] = []
