@@ -146,9 +146,10 @@ def warmup(args: argparse.Namespace, shape: dict[str, Any], out: Path) -> dict[s
     chance = 1 / (shape["max_value"] + 1)
     # A flawed demonstrator caps what imitation reaches: the warm-up runs its steps and ends on that plateau.
     stop_at = args.stop_at if args.stop_at is not None or shape["flaw_rate"] else max(0.15, chance + 0.10)
+    sft = {**shape["sft"], "eval_every": args.eval_every or shape["sft"]["eval_every"]}
     settings = SFTSettings(model_path=str(init), out_dir=str(out / "warm"), params_dtype=shape["dtype"],
                            reward_fn=REWARD_FN, stop_at_accuracy=stop_at, max_seconds=args.warmup_seconds,
-                           seed=args.seed, **shape["sft"])
+                           seed=args.seed, **sft)
     examples = [sft_example(tokenizer, r) for r in train + short]
     # The warm-up's accuracy on the first SFT_EVAL_ROWS held-out prompts (each evaluation generates them all).
     report = launch(run_sft, 1, settings, examples, val[:SFT_EVAL_ROWS], timeout_s=3600)[0]
@@ -261,6 +262,9 @@ def main() -> None:
                              "chance level, one answer in max_value + 1, plus 0.10)")
     parser.add_argument("--warmup-seconds", type=float, default=None,
                         help="end the warm-up at its first evaluation after this many seconds (default: its steps)")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="warm-up steps between held-out evaluations (default: the shape's; each costs a few "
+                             "seconds of generation on the device)")
     parser.add_argument("--init", help="warm up from this HF folder (an earlier warm-up's) instead of random weights")
     parser.add_argument("--lr", type=float, default=None, help="GRPO learning rate (default: the shape's)")
     parser.add_argument("--temperature", type=float, default=1.0, help="rollout.temperature")
