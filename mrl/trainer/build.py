@@ -160,11 +160,14 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
         reward = RewardEvaluator(None if c.reward.reward_fn == "auto" else c.reward.reward_fn,
                                  max_workers=c.reward.num_workers, timeout_s=c.reward.timeout_s)
         undo.callback(reward.close)
-        reward_models = RewardModels(c.reward.models, tokenizer_path) if c.reward.models else None
+        reward_models = RewardModels(c.reward.models, tokenizer_path, spec.dtype) if c.reward.models else None
         if reward_models is not None:
             undo.callback(reward_models.close)
         rollout.wait_started()
         progress(f"rollout replicas serving ({c.rollout.name})")
+        if reward_models is not None and reward_models.judges:
+            reward_models.wait_started()
+            progress(f"reward judges serving ({', '.join(reward_models.judges)})")
         for ready in engines_ready:
             ready.get()
         progress("Megatron engines built, weights loaded" + (" (actor and critic)" if critic is not None else ""))
