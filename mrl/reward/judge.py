@@ -1,6 +1,7 @@
-"""Generative reward models (LLM-as-judge, `reward.models[i].kind: generative`): a causal LM, served by a rollout
-replica of its own (the project's adapters: vLLM, SGLang, TensorRT-LLM or HF), reads a prompt rendered from a
-template over the sample's prompt, response and ground truth, and a parser turns its answer into the score.
+"""Generative reward models (LLM-as-judge, `reward.models[i].kind: generative`): a causal LM, served by rollout
+replicas of its own (the project's adapters: vLLM, SGLang, TensorRT-LLM or HF; mrl/trainer/build.py starts them),
+reads a prompt rendered from a template over the sample's prompt, response and ground truth, and a parser turns its
+answer into the score.
 
 Every request of a step goes out at once (the engine batches them). An answer that does not parse — no regex match,
 a parser function returning None or raising, a non-finite number, an empty answer when the rendered prompt fills
@@ -144,15 +145,13 @@ class ParseCounts:
 
 
 class GenerativeJudge:
-    """One judge: its rollout replicas (a standalone pool of their own), the judge's tokenizer, template and
-    parser. Built in the driver; `score` blocks until every answer of the batch is back."""
+    """One judge: its rollout replicas, the judge's tokenizer, template and parser. Built in the driver; `score`
+    blocks until every answer of the batch is back."""
 
-    def __init__(self, c: Any, dtype: str) -> None:
-        """`c`: a RewardModelConfig of kind generative; `dtype`: the engine dtype when `c.dtype` is None."""
+    def __init__(self, c: Any, replicas: Any) -> None:
+        """`c`: a RewardModelConfig of kind generative; `replicas`: the LLMServerManager serving `c.path`, started
+        by the trainer's build (mrl/trainer/build.py `start_judge`; the rollout layer sits above this one)."""
         from transformers import AutoTokenizer
-
-        from mrl.rollout.manager import LLMServerManager
-        from mrl.rollout.replica import Footprint, ReplicaSpec
 
         template_fields(c.template)
         self.name, self.template, self.parser = c.name, c.template, make_parser(c.parser)
@@ -160,12 +159,7 @@ class GenerativeJudge:
         self.tokenizer = AutoTokenizer.from_pretrained(c.path)
         self.sampling = {"temperature": c.temperature, "top_p": c.top_p, "max_tokens": c.max_new_tokens,
                          "logprobs": False}
-        footprint = Footprint(tp=c.tensor_model_parallel_size)
-        spec = ReplicaSpec(backend=c.backend, model_path=c.path, footprint=footprint, max_model_len=c.max_model_len,
-                           dtype=c.dtype or dtype)
-        # wait=False: the engines load while the trainer's other parts start (build.py waits for them).
-        self.manager = LLMServerManager.create(spec, "standalone", num_devices=c.num_replicas * footprint.devices,
-                                               wait=False)
+        self.manager = replicas
         self.counts = ParseCounts(c.name)
 
     def prompt_ids(self, item: JudgeInput) -> list[int]:

@@ -93,25 +93,21 @@ class RewardModels:
     generative judges each on rollout replicas of its own (mrl/reward/judge.py); the models of one step score
     concurrently."""
 
-    def __init__(self, configs: Sequence[Any], policy_tokenizer: str, judge_dtype: str = "float32") -> None:
-        """`judge_dtype`: the engine dtype of a judge that names none (the policy rollout's)."""
+    def __init__(self, configs: Sequence[Any], policy_tokenizer: str,
+                 judge_replicas: Mapping[str, Any] | None = None) -> None:
+        """`judge_replicas`: {name: LLMServerManager} of each generative model (mrl/trainer/build.py `start_judge`);
+        closing this object shuts them down."""
         import ray
 
         self.weights = {c.name: float(c.weight) for c in configs}
         self.order = [c.name for c in configs]
+        replicas = judge_replicas or {}  # judges first: their set-up may fail, and would leave the actors behind
+        self.judges = {c.name: GenerativeJudge(c, replicas[c.name]) for c in configs if c.kind == "generative"}
         self.actors = {
             c.name: ray.remote(num_cpus=c.num_cpus)(SequenceClassifierScorer).remote(
                 c.path, c.max_tokens_per_micro_batch, policy_tokenizer if c.rerender else None)
             for c in configs if c.kind == "discriminative"
         }
-        self.judges: dict[str, GenerativeJudge] = {}
-        try:
-            for c in configs:
-                if c.kind == "generative":
-                    self.judges[c.name] = GenerativeJudge(c, judge_dtype)
-        except BaseException:
-            self.close()
-            raise
 
     @property
     def needs_token_ids(self) -> bool:

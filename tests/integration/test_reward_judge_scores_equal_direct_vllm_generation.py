@@ -13,7 +13,7 @@ from mrl.data.synthetic import char_tokenizer, reverse_rows
 from mrl.models.tiny import make_tiny_hf_model
 from mrl.reward.errors import RewardErrors
 from mrl.reward.evaluator import RewardEvaluator
-from mrl.reward.models import RewardModels
+from mrl.trainer.build import start_reward_models
 from mrl.trainer.ppo_trainer import PPOTrainer
 
 pytestmark = pytest.mark.integration
@@ -55,7 +55,7 @@ def test_trainer_reward_stage_scores_like_direct_vllm_and_counts_failures(ray_cl
     config = RewardModelConfig(name="judge", kind="generative", path=judge, weight=WEIGHT, template=TEMPLATE,
                                parser=PARSER, fallback_score=FALLBACK, max_new_tokens=MAX_NEW_TOKENS,
                                max_model_len=MAX_MODEL_LEN)
-    models = RewardModels([config], policy_tokenizer=judge, judge_dtype="float32")
+    models = start_reward_models([config], judge, "float32")  # as the trainer's build starts them
     rule = RewardEvaluator(None)  # by data_source: the demo task's exact match
     trainer = SimpleNamespace(config=SimpleNamespace(reward=SimpleNamespace(rule_weight=1.0)),
                               parts=SimpleNamespace(reward=rule, reward_models=models), store=None,

@@ -43,6 +43,7 @@ def test_a_well_formed_judge_is_accepted(folders):
 
 def test_template_with_an_unknown_field_is_refused(folders):
     value, rule = refused(folders, template="Q: {question}\nA: {response}")["reward.models[0].template"]
+    assert value == "Q: {question}\nA: {response}"
     assert "unknown field(s) question" in rule and "{prompt}, {response}, {ground_truth}" in rule
     assert "must name {response}" in refused(folders, template="Q: {prompt}")["reward.models[0].template"][1]
 
