@@ -2,7 +2,8 @@
 token's advantage is coef × (teacher − student log-prob of that token): the per-token reverse-KL signal, whose
 expectation under the student is −KL(student ‖ teacher). Used alone or added to the task advantage.
 
-Pure functions; the trainer does not yet compute the teacher's log-probs (docs/reward_models.md).
+Pure functions; the teacher's log-probs come from a frozen engine beside the actor (compute_teacher_log_prob in
+mrl/workers/actor_rollout_ref.py), and the trainer applies these per rank (docs/reward_models.md).
 """
 
 import torch

@@ -80,13 +80,16 @@ class RewardConfig:
 
 @dataclass
 class DistillConfig:
-    # On-policy distillation: each model token's advantage gains coef × (teacher − student log-prob of the sampled
-    # token). Only the advantage helper exists (mrl/algo/distill.py): start-up refuses true until the trainer
-    # computes the teacher's log-probs (docs/reward_models.md).
+    # On-policy distillation (docs/reward_models.md): a frozen teacher scores the student's own sampled tokens, and
+    # each model token's advantage gains coef × (teacher − student log-prob of that token). The student's is π_old
+    # (at rollout.temperature, like the teacher's), so distillation turns off actor.on_policy_first_update.
     enable: bool = False
-    # HF folder of the teacher (a causal LM sharing the student's vocabulary).
+    # HF folder of the teacher: a causal LM with a bridge whose tokenizer has the student's vocabulary (start-up
+    # refuses another: a token id would name another token). It lives in the actor's processes like the reference
+    # (ref.megatron's layout, forward-only engine, offloaded with it) and routes its own experts under R3.
     teacher_path: str = ""
     # Weight of the distillation advantage.
     coef: float = 1.0
-    # add: added to the task reward's advantage; alone: the distillation advantage only.
+    # add: added to the task reward's advantage; alone: the distillation advantage only (the reward is still
+    # scored and logged, and validation still measures it).
     mode: str = "add"

@@ -442,7 +442,7 @@ class AlgorithmConfig:
     kl_horizon: int = 10000
     # Off-policy and training–inference mismatch correction of the actor loss.
     rollout_correction: RolloutCorrectionSettings = field(default_factory=RolloutCorrectionSettings)
-    # On-policy distillation from a teacher (reverse-KL per-token advantage); not wired yet.
+    # On-policy distillation from a teacher (reverse-KL per-token advantage, alone or added to the task's).
     distill: DistillConfig = field(default_factory=DistillConfig)
 
 

@@ -1,5 +1,6 @@
 """Driver-side shaping between the stages, on scalar columns only (the light batch of mrl/data/samples.py): DP
-balance by sequence length, outcome advantages per sample, and the step's log-prob mismatch from every rank's.
+balance by sequence length, outcome advantages per sample, and the step's token-weighted metrics (log-prob
+mismatch, distillation KL) from every rank's.
 Per-token work runs on the workers (mrl/workers/token_level.py).
 """
 
@@ -54,13 +55,19 @@ def scalar_advantages(batch: Batch, estimator: str, config: AdvantageConfig) -> 
 def mismatch_over_ranks(per_rank: list[dict[str, Any]]) -> dict[str, float]:
     """The step's `rollout/*` mismatch metrics from every DP rank's `rank_mismatch` (mrl/workers/token_level.py):
     token-weighted means, the max of the maxima."""
-    ranks = [r for r in per_rank if r["tokens"] > 0]  # a rank of no-op rows only has no mean
-    if not ranks:
+    out = token_weighted_mean(per_rank, ["logprob_mismatch", "mismatch_kl"])
+    if not out:
         return {}
-    tokens = sum(r["tokens"] for r in ranks)
-    out = {k: sum(r[k] * r["tokens"] for r in ranks) / tokens for k in ("logprob_mismatch", "mismatch_kl")}
-    out["logprob_abs_diff_max"] = max(r["logprob_abs_diff_max"] for r in ranks)
+    out["logprob_abs_diff_max"] = max(r["logprob_abs_diff_max"] for r in per_rank if r["tokens"] > 0)
     return {f"rollout/{k}": v for k, v in out.items()}
+
+
+def token_weighted_mean(per_rank: list[dict[str, Any]], keys: list[str]) -> dict[str, float]:
+    """The step's value of each of `keys`, per-rank means over model tokens weighed by each rank's `tokens`; {} when
+    no rank had a model token (a rank of no-op rows only has no mean)."""
+    ranks = [r for r in per_rank if r["tokens"] > 0]
+    tokens = sum(r["tokens"] for r in ranks)
+    return {k: sum(r[k] * r["tokens"] for r in ranks) / tokens for k in keys} if ranks else {}
 
 
 def routing_over_ranks(per_rank: list[dict[str, Any]]) -> dict[str, float]:

@@ -90,13 +90,14 @@ class ConsoleLogger:
         ("response_length/mean", "len", "{:.1f}"),
         ("val/greedy_acc", "val_acc", "{:.3f}"),
         ("rollout/logprob_mismatch", "mismatch", "{:.5f}"),
+        ("distill/kl", "distill_kl", "{:.4f}"),
         ("perf/tokens_per_s", "tok/s", "{:.0f}"),
         ("perf/mfu", "mfu", "{:.2%}"),
     )
     STAGES = (
-        ("gen", "gen"), ("old_log_prob", "old_lp"), ("ref", "ref"), ("values", "values"), ("adv", "adv"),
-        ("update_critic", "critic"), ("update_actor", "actor"), ("update_weights", "sync"), ("handover/sleep", "sleep"),
-        ("handover/onload", "onload"), ("validate", "val"),
+        ("gen", "gen"), ("old_log_prob", "old_lp"), ("ref", "ref"), ("teacher", "teacher"), ("values", "values"),
+        ("adv", "adv"), ("update_critic", "critic"), ("update_actor", "actor"), ("update_weights", "sync"),
+        ("handover/sleep", "sleep"), ("handover/onload", "onload"), ("validate", "val"),
     )
     BAR_WIDTH = 20
 

@@ -3,8 +3,10 @@ staleness), the per-step rollout dump and `RunLogger`, which fans each step's me
 `trainer.logger` (mrl/trainer/loggers.py).
 
 Metric names:
-- `timing_s/<stage>`: wall seconds of a stage of the step (gen, reward, balance, old_log_prob, ref, values, adv,
-  update_critic, update_actor, save_checkpoint, update_weights, validate) and of the whole `step`.
+- `timing_s/<stage>`: wall seconds of a stage of the step (gen, reward, balance, old_log_prob, ref, teacher, values,
+  adv, update_critic, update_actor, save_checkpoint, update_weights, validate) and of the whole `step`.
+- `distill/kl`: with algorithm.distill, the mean over the step's model tokens of student − teacher log-prob of the
+  sampled token, the sampled estimate of KL(student ‖ teacher) (mrl/algo/distill.py).
 - `perf/tokens_per_s`, `perf/tokens_per_s_per_gpu`: prompt + response tokens of the training batch per second of
   the step, in all and per device (a device slot on CPU).
 - `perf/mfu/<stage>`, `perf/mfu`: model FLOPs utilisation of a trainer stage, and of the whole step (generation
@@ -110,7 +112,8 @@ def peak_flops(device_name: str, tflops: float | None) -> float | None:
     return None
 
 
-# Passes over the batch per trainer stage, in forward-pass units (a backward pass costs two forwards).
+# Passes over the batch per trainer stage, in forward-pass units (a backward pass costs two forwards). The
+# distillation teacher's stage is left out: its FLOPs are another model's, which the policy's shape does not give.
 STAGE_PASSES = {"old_log_prob": 1, "ref": 1, "values": 1, "update_critic": 3, "update_actor": 3}
 
 

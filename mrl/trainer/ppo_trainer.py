@@ -1,6 +1,7 @@
 """`PPOTrainer`: the driver of synchronous PPO/GRPO. `step()` reads top to bottom as the nine stages of a step
-(sample, reward, DP balance, old log-prob, reference log-prob, values, advantage, critic update, actor update),
-each under a named timer, then weight sync stamped with `global_steps`, validation and metrics.
+(sample, reward, DP balance, old log-prob, reference log-prob, values, advantage, critic update, actor update;
+with distillation, teacher log-prob after the reference's), each under a named timer, then weight sync stamped
+with `global_steps`, validation and metrics.
 
 Modes differ only in hooks (`on_sample_begin/end`, `sync_weights`, `on_step_end`): the async trainers subclass
 and override those, never `step()`. Hybrid replicas sleep after sampling and wake around the weight sync.
@@ -136,6 +137,9 @@ class PPOTrainer:
         if self.use_reference:
             with t("ref"):
                 self.parts.actor_rollout.compute_ref_log_prob(batch)
+        if self.config.algorithm.distill.enable:
+            with t("teacher"):
+                self.parts.actor_rollout.compute_teacher_log_prob(batch)
         if self.parts.critic is not None:
             with t("values"):
                 self.parts.critic.compute_values(batch)
@@ -343,13 +347,21 @@ class PPOTrainer:
     def compute_advantage(self, batch: Batch) -> Batch:
         """Outcome estimators give one scalar per sample (`advantage`, a column of the light batch); GAE (the
         critic's per-token values), REINFORCE++ (discounted, whitened over tokens) and KL-in-reward are per-token: one
-        worker computes `advantages` and `returns` into the store, and the KL controller comes back updated."""
-        estimator = self.config.algorithm.adv_estimator
-        if estimator in batching.TOKEN_LEVEL_ESTIMATORS or self.kl_ctrl is not None:
+        worker computes `advantages` and `returns` into the store, and the KL controller comes back updated.
+        Distillation (algorithm.distill) makes them per-token on every DP rank: the teacher's signal alone, or added
+        to the task's."""
+        estimator, distill = self.config.algorithm.adv_estimator, self.config.algorithm.distill
+        alone = distill.enable and distill.mode == "alone"  # the teacher's signal is the whole advantage
+        if not alone and (estimator in batching.TOKEN_LEVEL_ESTIMATORS or self.kl_ctrl is not None):
             self.kl_metrics, self.kl_ctrl = self.parts.actor_rollout.compute_token_advantages(
                 batch, estimator, self.adv_config, self.kl_ctrl, self.config.algorithm.kl_penalty)
-        else:
+        elif not alone:
             batch["advantage"] = batching.scalar_advantages(batch, estimator, self.adv_config)
+        if distill.enable:
+            per_rank = self.parts.actor_rollout.compute_distill_advantages(batch)
+            self.kl_metrics.update(batching.token_weighted_mean(per_rank, ["distill/kl"]))
+            if "advantage" in batch:  # now inside the stored per-token advantages, which the update reads
+                del batch["advantage"]
         return batch
 
     def release_samples(self, batch: Batch) -> None:

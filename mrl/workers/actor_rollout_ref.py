@@ -1,16 +1,16 @@
-"""`ActorRolloutRefWorker`: the actor (trained), the reference policy (frozen) and the handle of the rollout
-replicas, in one process per device slot.
+"""`ActorRolloutRefWorker`: the actor (trained), the reference policy and a distillation teacher (frozen) and the
+handle of the rollout replicas, in one process per device slot.
 
 Group methods are dispatched by the actor engine's mesh (`nd_compute("actor")`): TP/PP ranks of one DP group get
 the same chunk, results come back from TP 0 of the last stage. Read-only calls (`compute_log_prob`,
-`compute_ref_log_prob`) accept dispatch padding; `update_actor` never does: the trainer sends counts that divide
-the DP size and the number of updates (no-op samples with an all-zero response mask).
+`compute_ref_log_prob`, `compute_teacher_log_prob`) accept dispatch padding; `update_actor` never does: the trainer
+sends counts that divide the DP size and the number of updates (no-op samples with an all-zero response mask).
 
 Group methods receive the step's light batch (store keys and scalar columns, mrl/data/samples.py), fetch the
 per-token fields of their rows from the sample store by key, and write their per-token outputs (`old_log_probs`,
-`ref_log_prob`, token-level `advantages`/`returns`) back under the same keys; only scalars return to the driver.
-Token fields are jagged and aligned with `input_ids` (prompt + response): `response_mask` (1 on model tokens),
-`rollout_log_probs`, …; log-prob t scores token t (DESIGN.md).
+`ref_log_prob`, `teacher_log_prob`, token-level `advantages`/`returns`) back under the same keys; only scalars
+return to the driver. Token fields are jagged and aligned with `input_ids` (prompt + response): `response_mask`
+(1 on model tokens), `rollout_log_probs`, …; log-prob t scores token t (DESIGN.md).
 """
 
 from __future__ import annotations
@@ -34,7 +34,12 @@ from mrl.data.samples import write_back
 from mrl.engine.megatron.routing import routing_metrics
 from mrl.utils.phase_memory import phase_memory, tracks_memory
 from mrl.workers.cpu_threads import worker_threads
-from mrl.workers.token_level import rank_mismatch, token_advantages, token_level_advantages
+from mrl.workers.token_level import (
+    distill_token_advantages,
+    rank_mismatch,
+    token_advantages,
+    token_level_advantages,
+)
 from mrl.workers.training_worker import (
     DeviceHandover,
     StoreClient,
@@ -98,6 +103,7 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
         self.with_ref = with_ref
         self.actor: TrainingWorker | None = None
         self.ref: TrainingWorker | None = None
+        self.teacher: TrainingWorker | None = None  # algorithm.distill: frozen, like the reference
         self.rollout: Any = None
         self._adapter_folders: Any = None  # actor.lora.sync=adapter: the PEFT folders per version (rank 0)
         loss_config = actor_loss_config(config)
@@ -105,18 +111,21 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
         self.loss_fn = make_actor_loss_fn(loss_config)
         self.on_policy_loss_fn = make_actor_loss_fn(loss_config, on_policy=True)
 
-    def _engine(self, trainable: bool) -> Any:
+    def _engine(self, role: str) -> Any:
+        """The engine of `role`: the actor (trained), or a frozen, forward-only one on ref.megatron's layout: the
+        reference (model.path) or the distillation teacher (algorithm.distill.teacher_path)."""
         from mrl.engine.megatron.engine import MegatronEngine
 
         c = self.config
-        role = c.actor if trainable else c.ref
+        trainable = role == "actor"
         micro = c.actor.ppo_micro_batch_size_per_gpu if trainable else c.ref.log_prob_micro_batch_size_per_gpu
         dynamic = c.actor.use_dynamic_bsz
-        # The reference replays the rollout's routing under R3 too: it takes the actor's router_replay.
-        megatron = role.megatron if trainable else dataclasses.replace(role.megatron,
-                                                                       router_replay=c.actor.megatron.router_replay)
+        # The reference replays the rollout's routing under R3 too: it takes the actor's router_replay. A teacher's
+        # experts are not the student's: it routes by itself.
+        replay = c.actor.megatron.router_replay if role == "ref" else "none"
+        megatron = c.actor.megatron if trainable else dataclasses.replace(c.ref.megatron, router_replay=replay)
         engine = MegatronEngine(
-            c.model.path,
+            c.algorithm.distill.teacher_path if role == "teacher" else c.model.path,
             megatron,
             c.actor.optim if trainable else None,
             micro_batch_size=None if dynamic else micro,
@@ -125,7 +134,7 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
             seed=c.trainer.seed,
             bridge_backend=c.model.bridge_backend,
             lora=c.actor.lora if trainable else None,
-            temperature=c.rollout.temperature,  # old, new and reference log-probs: the sampled distribution's
+            temperature=c.rollout.temperature,  # old, new, reference and teacher log-probs: the sampled distribution's
         )
         engine.initialize()
         return engine
@@ -134,9 +143,11 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
     def init_model(self) -> None:
         """Build the engines (the reference shares the actor's layout). Non-blocking, so the driver can start the
         rollout replicas meanwhile."""
-        self.actor = TrainingWorker(self._engine(trainable=True))
+        self.actor = TrainingWorker(self._engine("actor"))
         if self.with_ref and not self.config.actor.lora.enable:  # LoRA: the reference is the actor, adapters off
-            self.ref = TrainingWorker(self._engine(trainable=False))
+            self.ref = TrainingWorker(self._engine("ref"))
+        if self.config.algorithm.distill.enable:
+            self.teacher = TrainingWorker(self._engine("teacher"))
         self.register_mesh(ACTOR_MESH, self.actor.engine.mesh())
 
     @property
@@ -153,12 +164,14 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
         """How many leading rows of this rank's share train on-policy in `update_actor`: the first mini-batch's
         update runs on the weights π_old is computed with, so its forward's log-probs are π_old and the old
         log-prob pass skips those rows (1/num_updates of it). Only with one pass over the data (ppo_epochs 1), when
-        nothing reads π_old before the update (KL in reward does) and with more than one update, so the mismatch
-        metrics keep rows to measure. Not under rollout-correction rejection either: it edits the response mask from
-        π_old, and the engine counts the loss denominators from that mask before the update's forward."""
+        nothing reads π_old before the update (KL in reward and distillation do) and with more than one update, so
+        the mismatch metrics keep rows to measure. Not under rollout-correction rejection either: it edits the
+        response mask from π_old, and the engine counts the loss denominators from that mask before the update's
+        forward."""
         c = self.config
+        reads_old = c.algorithm.use_kl_in_reward or c.algorithm.distill.enable
         if (not c.actor.on_policy_first_update or not c.rollout.recompute_old_log_prob or c.actor.ppo_epochs != 1
-                or num_updates < 2 or c.algorithm.use_kl_in_reward or self.correction.rejects):
+                or num_updates < 2 or reads_old or self.correction.rejects):
             return 0
         return rows // num_updates
 
@@ -211,6 +224,30 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
         else:
             fetched["ref_log_prob"] = self._infer(self.ref, fetched)["log_probs"]
         self.write(ACTOR_MESH, batch, {"ref_log_prob": fetched.jagged_field("ref_log_prob")})
+
+    @register(nd_compute(ACTOR_MESH), pad=True)
+    @tracks_memory("teacher")
+    def compute_teacher_log_prob(self, batch: Batch) -> None:
+        """`teacher_log_prob` of every token under the distillation teacher, into the store."""
+        if self.teacher is None:
+            raise RuntimeError("compute_teacher_log_prob: this worker was built without algorithm.distill")
+        fetched = self.fetch(batch, ["input_ids"])
+        fetched["teacher_log_prob"] = self._infer(self.teacher, fetched)["log_probs"]
+        self.write(ACTOR_MESH, batch, {"teacher_log_prob": fetched.jagged_field("teacher_log_prob")})
+
+    @register(nd_compute(ACTOR_MESH))
+    def compute_distill_advantages(self, batch: Batch) -> dict[str, float]:
+        """Per-token `advantages` of distillation (mrl/workers/token_level.py `distill_token_advantages`), into the
+        store; with mode `add` on top of the task's: the per-sample `advantage` column or the token-level ones the
+        store holds. Rows are independent, so each DP rank does its own. Returns this rank's `distill/kl` and its
+        model-token count."""
+        d = self.config.algorithm.distill
+        fields = ["response_mask", "old_log_probs", "teacher_log_prob"]
+        fields += ["advantages"] if d.mode == "add" and "advantage" not in batch else []
+        fetched = self.fetch(batch, fields)
+        advantages, metrics = distill_token_advantages(fetched, d.coef, add=d.mode == "add")
+        self.write(ACTOR_MESH, batch, {"advantages": advantages})
+        return metrics
 
     def replayed_fields(self, phase: str) -> list[str]:
         """The routing a pass replays (actor.megatron.router_replay): R3 the rollout's in every pass, R2 the
@@ -352,7 +389,8 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
         return {**phase_memory(self).take(), **sizes}
 
     def training_roles(self) -> list[tuple[TrainingWorker, Any]]:
-        roles = [(self.actor, self.config.actor.megatron), (self.ref, self.config.ref.megatron)]
+        roles = [(self.actor, self.config.actor.megatron), (self.ref, self.config.ref.megatron),
+                 (self.teacher, self.config.ref.megatron)]
         return [(role, m) for role, m in roles if role is not None]
 
     @register(Dispatch.ONE_TO_ALL)

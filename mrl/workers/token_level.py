@@ -1,6 +1,7 @@
 """Per-token algorithm steps that run where the tokens are (a worker, on batches fetched from the sample store):
-spreading a per-sample advantage over model tokens, KL-in-reward, GAE and other token-level estimators, and the
-rollout-vs-trainer log-prob mismatch of a rank's rows. The driver keeps the per-sample scalars (outcome advantages).
+spreading a per-sample advantage over model tokens, KL-in-reward, GAE and other token-level estimators, on-policy
+distillation's advantages, and the rollout-vs-trainer log-prob mismatch of a rank's rows. The driver keeps the
+per-sample scalars (outcome advantages).
 
 Token fields are jagged and aligned with `input_ids` = prompt + response; prompt positions carry mask 0, so every
 estimator treats them as absent.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from mrl.algo.advantages import ADV_ESTIMATORS, AdvantageConfig
+from mrl.algo.distill import distill_advantages
 from mrl.algo.kl import KLController, apply_kl_penalty
 from mrl.algo.rollout_correction import mismatch_metrics
 from mrl.data.batch import Batch
@@ -61,6 +63,21 @@ def token_level_advantages(batch: Batch, estimator: str, config: AdvantageConfig
     with `kl_ctrl`, on score − β·KL rewards (β then updated in place), else on the score at the last token."""
     rewards, metrics = kl_penalized_rewards(batch, kl_ctrl, kl_type) if kl_ctrl is not None else (None, {})
     return token_advantages_and_returns(batch, estimator, config, rewards), metrics
+
+
+def distill_token_advantages(batch: Batch, coef: float, add: bool) -> tuple[JaggedTensor, dict[str, float]]:
+    """On-policy distillation's per-token advantages of a batch's rows (mrl/algo/distill.py): coef × (teacher −
+    student log-prob) on model tokens, the student's being π_old (`old_log_probs`); with `add`, plus the task's
+    advantage: the per-sample `advantage` column when the batch has one, else the token-level `advantages`. Also
+    `distill/kl` and the model-token count, which weighs it across ranks."""
+    mask, lengths = batch.as_padded("response_mask")
+    teacher, _ = batch.as_padded("teacher_log_prob")
+    student, _ = batch.as_padded("old_log_probs")
+    task = None
+    if add:
+        task = batch["advantage"].float() if "advantage" in batch else batch.as_padded("advantages")[0]
+    advantages, metrics = distill_advantages(teacher, student, mask, coef, task)
+    return JaggedTensor.from_padded(advantages, lengths), {**metrics, "tokens": float(mask.sum())}
 
 
 def rank_mismatch(batch: Batch) -> dict[str, float]:

@@ -42,7 +42,7 @@ def config(epochs: int):
 @pytest.mark.parametrize("epochs", [1, 3])
 def test_actor_schedule_spans_every_update_of_every_epoch(monkeypatch, epochs):
     monkeypatch.setattr(engine_module, "MegatronEngine", RecordsTotalSteps)
-    engine = ActorRolloutRefWorker._engine(SimpleNamespace(config=config(epochs)), trainable=True)
+    engine = ActorRolloutRefWorker._engine(SimpleNamespace(config=config(epochs)), "actor")
     assert engine.total_steps == 5 * (8 // 2) * epochs
 
 

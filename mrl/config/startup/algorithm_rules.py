@@ -141,13 +141,3 @@ def _greedy_groups(cfg: DictConfig, _: bool) -> Iterator[Violation]:
                                              f"so {estimator}'s group advantages are all 0: sample (temperature > 0, "
                                              "top_k -1 or > 1)")
 
-
-@rule
-def _distill(cfg: DictConfig, _: bool) -> Iterator[Violation]:
-    d = cfg.algorithm.distill
-    if d.mode not in ("add", "alone"):
-        yield Violation("algorithm.distill.mode", d.mode, "one of add, alone")
-    if d.enable:
-        yield Violation("algorithm.distill.enable", True, "false: on-policy distillation has its advantage helper "
-                                                         "(mrl/algo/distill.py) but the trainer does not compute "
-                                                         "the teacher's log-probs yet (docs/reward_models.md)")

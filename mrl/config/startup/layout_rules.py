@@ -58,14 +58,15 @@ def _engine_knobs(cfg: DictConfig, _: bool) -> Iterator[Violation]:
             yield Violation(f"{m}.sequence_parallel", True, "sequence parallel splits activations over TP ranks: "
                                                             "it needs tensor_model_parallel_size > 1")
     kl = _get(cfg, "actor.use_kl_loss") or _get(cfg, "algorithm.use_kl_in_reward")
-    if kl and not _get(cfg, "actor.lora.enable"):
-        # The reference engine lives in the actor's processes, and Megatron's parallel state is per process.
-        # (LoRA builds none: the reference is the actor with its adapters off.)
+    if (kl and not _get(cfg, "actor.lora.enable")) or _get(cfg, "algorithm.distill.enable"):
+        # The reference engine and the distillation teacher (on ref.megatron) live in the actor's processes, and
+        # Megatron's parallel state is per process. (LoRA builds no reference: the actor with its adapters off.)
         for key in (*PARALLEL_SIZES, "virtual_pipeline_model_parallel_size", "expert_tensor_parallel_size"):
             ref, actor = _get(cfg, f"ref.megatron.{key}"), _get(cfg, f"actor.megatron.{key}")
             if ref != actor:
-                yield Violation(f"ref.megatron.{key}", ref, f"the reference policy shares the actor's processes "
-                                                           f"and parallel layout: set it to the actor's ({actor})")
+                yield Violation(f"ref.megatron.{key}", ref, f"the reference policy (and a distillation teacher) "
+                                                           f"shares the actor's processes and parallel layout: set "
+                                                           f"it to the actor's ({actor})")
     if not _get(cfg, "actor.use_dynamic_bsz"):
         micro = _get(cfg, "actor.ppo_micro_batch_size_per_gpu")
         if micro is None or micro < 1:
@@ -92,24 +93,8 @@ def _model_shape(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
         if arch not in architectures():
             yield Violation("model.path", _get(cfg, "model.path"), f"its architecture {arch!r} has no bridge; "
                                                                     f"known: {', '.join(architectures())}")
-    experts = num_experts(hf)
     for role in ENGINE_ROLES:
-        m = f"{role}.megatron"
-        tp, pp, vpp, ep = (_get(cfg, f"{m}.{k}") for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                                                           "virtual_pipeline_model_parallel_size",
-                                                           "expert_model_parallel_size"))
-        split = {k: _get(cfg, f"{m}.{k}") for k in ("num_layers_in_first_pipeline_stage",
-                                                   "num_layers_in_last_pipeline_stage")}
-        split = {k: n for k, n in split.items() if n is not None and n >= 1}  # below 1: the field's own line
-        if split and pp == 1:
-            yield from (Violation(f"{m}.{k}", n, "an uneven pipeline split needs pipeline_model_parallel_size > 1")
-                        for k, n in split.items())
-            split = {}
-        divisor = _get(cfg, f"{m}.make_vocab_size_divisible_by") or 1
-        for knob, why in layout_shape_problems(hf, tp, pp, vpp, ep, split, vocab_divisor=divisor):
-            yield Violation(f"{m}.{knob}", _get(cfg, f"{m}.{knob}"), why)
-        if experts and tp > 1 and not _get(cfg, f"{m}.sequence_parallel"):
-            yield Violation(f"{m}.sequence_parallel", False, "Megatron needs sequence parallel for MoE with TP > 1")
+        yield from role_shape_violations(cfg, role, hf)
     engine_tps = ["rollout.tensor_model_parallel_size"]
     if _get(cfg, "rollout.pd.enabled"):
         engine_tps += ["rollout.pd.prefill_tp", "rollout.pd.decode_tp"]
@@ -121,6 +106,28 @@ def _model_shape(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
         yield Violation("data.max_response_length", _get(cfg, "data.max_response_length"),
                         f"max_prompt_length + max_response_length = {longest} exceeds the model's context "
                         f"(max_position_embeddings = {context})")
+
+
+def role_shape_violations(cfg: DictConfig, role: str, hf: dict, whose: str = "") -> Iterator[Violation]:
+    """`role.megatron`'s layout against an HF config (`hf`: the policy's, or with `whose` naming it another model
+    the role's engine loads, e.g. the distillation teacher on ref.megatron)."""
+    m = f"{role}.megatron"
+    tp, pp, vpp, ep = (_get(cfg, f"{m}.{k}") for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                                       "virtual_pipeline_model_parallel_size",
+                                                       "expert_model_parallel_size"))
+    split = {k: _get(cfg, f"{m}.{k}") for k in ("num_layers_in_first_pipeline_stage",
+                                               "num_layers_in_last_pipeline_stage")}
+    split = {k: n for k, n in split.items() if n is not None and n >= 1}  # below 1: the field's own line
+    if split and pp == 1:
+        if not whose:  # the policy's pass already said so
+            yield from (Violation(f"{m}.{k}", n, "an uneven pipeline split needs pipeline_model_parallel_size > 1")
+                        for k, n in split.items())
+        split = {}
+    divisor = _get(cfg, f"{m}.make_vocab_size_divisible_by") or 1
+    for knob, why in layout_shape_problems(hf, tp, pp, vpp, ep, split, vocab_divisor=divisor):
+        yield Violation(f"{m}.{knob}", _get(cfg, f"{m}.{knob}"), f"{whose}{why}")
+    if num_experts(hf) and tp > 1 and not _get(cfg, f"{m}.sequence_parallel"):
+        yield Violation(f"{m}.sequence_parallel", False, f"{whose}Megatron needs sequence parallel for MoE with TP > 1")
 
 
 def _engine_tp(setting: str, tp: int, hf: dict) -> Iterator[Violation]:

@@ -2,20 +2,23 @@
 of the data files has a registered one (an unknown source once fell back to math scoring: a run of silent zeros);
 each of `reward.models` is placed in a pool; a discriminative one is a one-label sequence classifier sharing the
 policy's tokenizer unless a re-render is configured; a generative judge has a template, parser and fallback that
-mrl/reward/judge.py accepts and a readable folder.
+mrl/reward/judge.py accepts and a readable folder; an `algorithm.distill` teacher is a causal LM that fits its
+layout and shares the student's tokenizer.
 
 Registered with `@rule` like those of validate.py, which imports this module.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Iterator
 
 from omegaconf import DictConfig
 
-from mrl.config.startup.validate import Violation, rule
+from mrl.config.startup.layout_rules import role_shape_violations
+from mrl.config.startup.validate import Violation, _get, rule
 
 
 @rule
@@ -110,8 +113,6 @@ def _judge_settings(key: str, m: DictConfig) -> Iterator[Violation]:
 def _judge_folder(key: str, m: DictConfig) -> Iterator[Violation]:
     """The judge's folder: readable, a config.json that parses and is no classifier, a tokenizer that loads (the
     driver renders and decodes with it)."""
-    import json
-
     config_file = os.path.join(str(m.path), "config.json")
     try:
         with open(config_file) as f:
@@ -132,8 +133,6 @@ def _judge_folder(key: str, m: DictConfig) -> Iterator[Violation]:
 
 
 def _reward_model_folder(key: str, m: DictConfig, policy_tokenizer: str) -> Iterator[Violation]:
-    import json
-
     config_file = os.path.join(str(m.path), "config.json")
     if not os.path.isfile(config_file):
         yield Violation(f"{key}.path", m.path, "an HF folder with config.json (a ...ForSequenceClassification model)")
@@ -148,10 +147,7 @@ def _reward_model_folder(key: str, m: DictConfig, policy_tokenizer: str) -> Iter
     if m.rerender:
         return
     try:
-        from transformers import AutoTokenizer
-
-        same = AutoTokenizer.from_pretrained(str(m.path)).get_vocab() == \
-            AutoTokenizer.from_pretrained(policy_tokenizer).get_vocab()
+        same = _same_vocabulary(str(m.path), policy_tokenizer)
     except Exception as err:  # a folder without tokenizer files: scoring it would fail later, so say it now
         yield Violation(f"{key}.path", m.path, f"a tokenizer that loads ({type(err).__name__}: {err}), or "
                                                f"{key}.rerender=true")
@@ -160,3 +156,69 @@ def _reward_model_folder(key: str, m: DictConfig, policy_tokenizer: str) -> Iter
         yield Violation(f"{key}.rerender", False, f"true: the reward model's tokenizer differs from the policy's "
                                                   f"({policy_tokenizer}); scores need a re-render (detokenize → "
                                                   "retokenize)")
+
+
+def _same_vocabulary(path: str, policy_tokenizer: str) -> bool:
+    """Whether the tokenizer of the folder `path` maps every token to the policy's id (raises if it cannot load)."""
+    from transformers import AutoTokenizer
+
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        # transformers 5 builds an empty tokenizer of the model's class from config.json alone: no error, one token
+        raise FileNotFoundError("no tokenizer.json or tokenizer_config.json in the folder")
+    vocab = AutoTokenizer.from_pretrained(path).get_vocab()
+    return vocab == AutoTokenizer.from_pretrained(policy_tokenizer).get_vocab()
+
+
+@rule
+def _distill(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
+    """`algorithm.distill`: a known mode and, when on, a teacher folder: a causal LM with a bridge, whose shape fits
+    ref.megatron (its engine's layout), and whose tokenizer is the student's. Unlike a reward model's, no re-render
+    can help: the teacher scores the student's own token ids one by one, and under another vocabulary an id names
+    another token (a wrong signal, no error)."""
+    d = cfg.algorithm.distill
+    if d.mode not in ("add", "alone"):
+        yield Violation("algorithm.distill.mode", d.mode, "one of add, alone")
+    if not d.enable:
+        return
+    if d.mode == "alone":  # no task advantage is computed: what only it reads would be dropped, or missing
+        for setting in ("algorithm.use_kl_in_reward", "critic.enable"):
+            if _get(cfg, setting):
+                yield Violation(setting, True, "false with algorithm.distill.mode=alone: the teacher's signal is the "
+                                               "whole advantage, so the task reward's KL penalty and the critic's "
+                                               "returns are never computed (mode add keeps them)")
+    key, path = "algorithm.distill.teacher_path", str(d.teacher_path)
+    if not path:
+        yield Violation(key, path, "the teacher's HF folder: algorithm.distill.enable=true needs one")
+        return
+    if not check_paths:
+        return
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        yield Violation(key, path, "an HF folder with config.json (the teacher, a causal LM)")
+        return
+    with open(config_file) as f:
+        hf = json.load(f)
+    yield from _teacher_shape(cfg, path, hf)
+    student = str(cfg.model.tokenizer_path or cfg.model.path)
+    try:
+        same = _same_vocabulary(path, student)
+    except Exception as err:
+        yield Violation(key, path, f"a teacher folder whose tokenizer loads ({type(err).__name__}: {err}), to check "
+                                   "its vocabulary against the student's")
+        return
+    if not same:
+        yield Violation(key, path, f"the teacher's tokenizer must be the student's ({student}): it differs, so its "
+                                   "log-prob of a sampled token id would score another token")
+
+
+def _teacher_shape(cfg: DictConfig, path: str, hf: dict) -> Iterator[Violation]:
+    arch = (hf.get("architectures") or [None])[0]
+    if cfg.model.bridge_backend == "mrl":
+        from bridges.registry import architectures
+
+        if arch not in architectures():
+            yield Violation("algorithm.distill.teacher_path", path, f"a causal LM with a bridge; its architecture "
+                                                                    f"{arch!r} has none (known: "
+                                                                    f"{', '.join(architectures())})")
+            return
+    yield from role_shape_violations(cfg, "ref", hf, whose=f"the teacher ({path}): ")
