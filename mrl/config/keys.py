@@ -130,9 +130,33 @@ def composition_violation(err: BaseException, overrides: list[str], recipe_value
     value = _override_value(key, overrides, recipe_values)
     if isinstance(cause, ConfigKeyError | ConfigAttributeError):
         return unknown_key(key, value)
-    tp = schema_fields().get(key)
+    section = getattr(cause, "object_type", None)
+    item = _list_item(key, section, overrides, recipe_values)
+    if item is not None:
+        tp = {f.name: f.type for f in dataclasses.fields(section)}.get(key)
+        key, value = item
+    else:
+        tp = schema_fields().get(key)
     expected = f"must be {_type_name(tp)}" if tp is not None else "has the wrong type"
     return Violation(key, value, f"{expected} ({str(cause.msg).splitlines()[0]})")  # type: ignore[attr-defined]
+
+
+def _list_item(name: str, section: Any, overrides: list[str], recipe_values: Any) -> tuple[str, Any] | None:
+    """(`reward.models[i].name`, value) of a list-of-sections item whose field `name` OmegaConf refused: it reports
+    such a field without its list path. The item is the first whose value does not fit the section's type."""
+    from omegaconf import OmegaConf
+
+    lists = [path for path, tp in schema_fields().items()
+             if typing.get_origin(tp) is list and typing.get_args(tp) == (section,)]
+    for path in lists:
+        for i, entry in enumerate(_override_value(path, overrides, recipe_values) or []):
+            if not hasattr(entry, "keys") or name not in entry:
+                continue
+            try:
+                OmegaConf.merge(OmegaConf.structured(section), {name: entry[name]})
+            except Exception:
+                return f"{path}[{i}].{name}", entry[name]
+    return None
 
 
 def _override_value(key: str, overrides: list[str], recipe_values: Any) -> Any:

@@ -8,21 +8,56 @@ from dataclasses import dataclass, field
 class RewardModelConfig:
     # Name of this part of the reward: metrics reward/<name>/mean.
     name: str = "rm"
-    # HF folder of a discriminative reward model: a `...ForSequenceClassification` checkpoint with one label; its
-    # score of a sample is the logit at the last token of prompt + response (mrl/reward/models.py).
+    # discriminative: a sequence classifier scores the sample's token ids. generative (LLM-as-judge): a causal LM
+    # on rollout replicas of its own answers `template` and `parser` reads the score from the answer
+    # (mrl/reward/judge.py, docs/reward_models.md).
+    kind: str = "discriminative"
+    # HF folder of the model. discriminative: a `...ForSequenceClassification` checkpoint with one label; its
+    # score of a sample is the logit at the last token of prompt + response (mrl/reward/models.py). generative: a
+    # `...ForCausalLM` checkpoint with its tokenizer (the judge).
     path: str = ""
     # Weight of this model's score in the sample's reward (added to reward.rule_weight × the rule reward).
     weight: float = 1.0
-    # pool: CPU workers of its own (one Ray actor per model, an HF forward). colocated (on the trainer's devices,
-    # sleep/wake like the rollout) is not built yet and refused at start-up.
+    # pool: devices or CPU workers of its own (discriminative: one Ray actor per model, an HF forward; generative:
+    # `num_replicas` rollout replicas in a standalone pool). colocated (on the trainer's devices, sleep/wake like
+    # the rollout) is not built yet and refused at start-up.
     placement: str = "pool"
-    # CPUs of the model's pool worker (its torch threads).
+    # CPUs of a discriminative model's pool worker (its torch threads).
     num_cpus: int = 1
     # Token budget of one forward: samples sorted by length, each micro-batch's rows × longest row ≤ this.
     max_tokens_per_micro_batch: int = 8192
     # Detokenize the policy's tokens and retokenize them with the reward model's tokenizer. Required when the two
     # tokenizers differ (start-up refuses the run otherwise); with equal tokenizers the policy's ids are scored as is.
     rerender: bool = False
+    # generative: the judge's prompt, a Python format string naming {response} and optionally {prompt} (the
+    # prompt's last user message) and {ground_truth}; literal braces doubled ({{ }}).
+    template: str = ""
+    # generative: a regex whose first group is the score (first match in the answer), or
+    # "package.module:function" mapping the answer text to a float, or None when the answer gives none.
+    parser: str = r"(-?\d+(?:\.\d+)?)"
+    # generative: the score of an answer that does not parse; each is counted (reward/<name>/parse_failures and
+    # reward/<name>/parse_failure_rate per step), never a silent 0.
+    fallback_score: float = 0.0
+    # generative: wrap the rendered template as one user message in the judge tokenizer's chat template (with the
+    # generation prompt); false: its tokens are the rendered text's.
+    chat_template: bool = True
+    # generative: the judge's rollout backend (a rollout.name value: vllm, sglang, trtllm, hf).
+    backend: str = "vllm"
+    # generative: replicas of the judge; the engine batches each replica's share of a step's requests.
+    num_replicas: int = 1
+    # generative: devices (tensor-parallel ranks) of one judge replica.
+    tensor_model_parallel_size: int = 1
+    # generative: context length of the judge's engine (rendered prompt + answer); a longer prompt gets no answer
+    # (a counted parse failure).
+    max_model_len: int = 4096
+    # generative: the judge's engine dtype; None: the policy rollout's (rollout.dtype, else actor params_dtype).
+    dtype: str | None = None
+    # generative: sampling temperature of the judge's answer; 0 is greedy.
+    temperature: float = 0.0
+    # generative: nucleus sampling of the judge's answer (1.0: off).
+    top_p: float = 1.0
+    # generative: the longest answer in tokens (generation stops at the judge's EOS or here).
+    max_new_tokens: int = 32
 
 
 @dataclass

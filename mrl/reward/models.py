@@ -7,14 +7,18 @@ token), computed with a plain HF forward of the base model in right-padded, leng
 and batching change no score beyond float rounding. Placement `pool`: each model in one CPU Ray actor of its own.
 A model whose tokenizer differs from the policy's scores a re-render (the policy's ids decoded, then encoded with
 its tokenizer); the start-up rule refuses that case unless `rerender` is set (mrl/config/startup/reward_rules.py).
+Generative judges (`kind: generative`, mrl/reward/judge.py) score the same samples as text; `RewardModels` runs both.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+
+from mrl.reward.judge import GenerativeJudge, JudgeInput, judge_all
 
 
 def length_balanced(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -85,27 +89,53 @@ def combine(rule_scores: Sequence[float], model_scores: Mapping[str, Sequence[fl
 
 
 class RewardModels:
-    """Every configured reward model, each in a CPU Ray actor of its own (placement `pool`); the models of one
-    step score concurrently."""
+    """Every configured reward model: discriminative ones each in a CPU Ray actor of its own (placement `pool`),
+    generative judges each on rollout replicas of its own (mrl/reward/judge.py); the models of one step score
+    concurrently."""
 
-    def __init__(self, configs: Sequence[Any], policy_tokenizer: str) -> None:
+    def __init__(self, configs: Sequence[Any], policy_tokenizer: str,
+                 judge_replicas: Mapping[str, Any] | None = None) -> None:
+        """`judge_replicas`: {name: LLMServerManager} of each generative model (mrl/trainer/build.py `start_judge`);
+        closing this object shuts them down."""
         import ray
 
         self.weights = {c.name: float(c.weight) for c in configs}
+        self.order = [c.name for c in configs]
+        replicas = judge_replicas or {}  # judges first: their set-up may fail, and would leave the actors behind
+        self.judges = {c.name: GenerativeJudge(c, replicas[c.name]) for c in configs if c.kind == "generative"}
         self.actors = {
             c.name: ray.remote(num_cpus=c.num_cpus)(SequenceClassifierScorer).remote(
                 c.path, c.max_tokens_per_micro_batch, policy_tokenizer if c.rerender else None)
-            for c in configs
+            for c in configs if c.kind == "discriminative"
         }
 
-    def score(self, sequences: Sequence[Sequence[int]]) -> dict[str, list[float]]:
+    @property
+    def needs_token_ids(self) -> bool:
+        """Whether `score` reads the samples' token ids (discriminative models score ids; judges read text)."""
+        return bool(self.actors)
+
+    def wait_started(self) -> None:
+        for judge in self.judges.values():
+            judge.wait_started()
+
+    def score(self, sequences: Sequence[Sequence[int]], texts: Sequence[JudgeInput] = ()) -> dict[str, list[float]]:
+        """{name: one score per sample}: discriminative models score `sequences` (prompt + response ids), judges
+        `texts` (the same samples as text)."""
         import ray
 
         refs = {name: actor.score.remote(list(sequences)) for name, actor in self.actors.items()}
-        return {name: ray.get(ref) for name, ref in refs.items()}
+        scores = asyncio.run(judge_all(self.judges, texts)) if self.judges else {}
+        scores.update({name: ray.get(ref) for name, ref in refs.items()})
+        return {name: scores[name] for name in self.order}
+
+    def take_metrics(self) -> dict[str, float]:
+        """Each judge's `reward/<name>/parse_failures` and `parse_failure_rate` since the last call."""
+        return {k: v for judge in self.judges.values() for k, v in judge.counts.take().items()}
 
     def close(self) -> None:
         import ray
 
         for actor in self.actors.values():
             ray.kill(actor)
+        for judge in self.judges.values():
+            judge.close()

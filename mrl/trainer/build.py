@@ -12,6 +12,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from mrl.config.placement import rollout_placement
+from mrl.config.reward_schema import RewardModelConfig
 from mrl.config.schema import MrlConfig
 from mrl.controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from mrl.data.datasets import RLDataset
@@ -58,6 +59,28 @@ def rollout_spec(c: MrlConfig) -> ReplicaSpec:
         lora_rank=c.actor.lora.rank if c.actor.lora.enable and c.actor.lora.sync == "adapter" else None,
         quantization=r.quantization,
     )
+
+
+def start_judge(m: RewardModelConfig, dtype: str) -> LLMServerManager:
+    """A generative reward model's replicas, each in a standalone pool of its own, launching (not waited for:
+    the engines load while the trainer's other parts start). `dtype`: the engine's when `m.dtype` is None."""
+    footprint = Footprint(tp=m.tensor_model_parallel_size)
+    spec = ReplicaSpec(backend=m.backend, model_path=m.path, footprint=footprint, max_model_len=m.max_model_len,
+                       dtype=m.dtype or dtype)
+    return LLMServerManager.create(spec, "standalone", num_devices=m.num_replicas * footprint.devices, wait=False)
+
+
+def start_reward_models(models: list[RewardModelConfig], tokenizer_path: str, dtype: str) -> RewardModels:
+    """reward.models, the judges' replicas launching; a failure stops the judges already launched."""
+    with ExitStack() as undo:
+        judges = {}
+        for m in models:
+            if m.kind == "generative":
+                judges[m.name] = start_judge(m, dtype)
+                undo.callback(judges[m.name].shutdown)
+        reward_models = RewardModels(models, tokenizer_path, judges)
+        undo.pop_all()  # from here RewardModels.close stops them
+    return reward_models
 
 
 def resolve_run_length(c: MrlConfig, train_data: RLDataset) -> int:
@@ -160,11 +183,14 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
         reward = RewardEvaluator(None if c.reward.reward_fn == "auto" else c.reward.reward_fn,
                                  max_workers=c.reward.num_workers, timeout_s=c.reward.timeout_s)
         undo.callback(reward.close)
-        reward_models = RewardModels(c.reward.models, tokenizer_path) if c.reward.models else None
+        reward_models = start_reward_models(c.reward.models, tokenizer_path, spec.dtype) if c.reward.models else None
         if reward_models is not None:
             undo.callback(reward_models.close)
         rollout.wait_started()
         progress(f"rollout replicas serving ({c.rollout.name})")
+        if reward_models is not None and reward_models.judges:
+            reward_models.wait_started()
+            progress(f"reward judges serving ({', '.join(reward_models.judges)})")
         for ready in engines_ready:
             ready.get()
         progress("Megatron engines built, weights loaded" + (" (actor and critic)" if critic is not None else ""))
@@ -211,6 +237,8 @@ def shutdown(trainer: PPOTrainer) -> None:
     trainer.close()  # before the agent loops go: an async producer still waits on them
     trainer.logger.close()
     p.reward.close()
+    if p.reward_models is not None:  # discriminative actors and the judges' replicas
+        p.reward_models.close()
     p.agent_loops.shutdown()
     p.rollout.shutdown()
     p.actor_rollout.kill()

@@ -32,6 +32,7 @@ from mrl.data.sample_store import SampleStore
 from mrl.data.samples import light_batch, put_noop_payloads
 from mrl.reward.errors import RewardErrors
 from mrl.reward.evaluator import RewardEvaluator, RewardItem
+from mrl.reward.judge import JudgeInput, prompt_text
 from mrl.reward.models import RewardModels, combine
 from mrl.trainer import batching, checkpointing
 from mrl.trainer.metrics import (
@@ -123,6 +124,8 @@ class PPOTrainer:
             self.on_sample_begin()
             trajectories = self.sample()  # stage 1 + 2: rollout, then reward (timed inside as "reward")
         reward_errors = self.reward_errors.take()  # past reward.max_error_rate the run stops here, before training
+        if self.parts.reward_models is not None:  # judges' failed parses: scored with their fallback, counted here
+            reward_errors.update(self.parts.reward_models.take_metrics())
         self.on_sample_end()  # hybrid: the devices go to the trainer (timed as handover/*)
         if not trajectories:
             return self.skip_step(step_start, reward_errors)
@@ -304,9 +307,16 @@ class PPOTrainer:
                 traj["score"] = result.score
 
     def score_with_models(self, trajectories: list[dict[str, Any]]) -> dict[str, list[float]]:
-        """{reward model name: score per trajectory} of its token ids (prompt + response) from the store."""
-        ids = self.store.get_jagged([t["key"] for t in trajectories], ["input_ids"])["input_ids"]
-        return self.parts.reward_models.score([row.tolist() for row in ids.to_list()])
+        """{reward model name: score per trajectory}: discriminative models score its token ids (prompt + response)
+        from the store, judges its text (the prompt's last user message, the response, the ground truth)."""
+        models = self.parts.reward_models
+        sequences: list[list[int]] = []
+        if models.needs_token_ids:
+            ids = self.store.get_jagged([t["key"] for t in trajectories], ["input_ids"])["input_ids"]
+            sequences = [row.tolist() for row in ids.to_list()]
+        texts = [JudgeInput(prompt_text(t["messages"]), t["response_text"],
+                            "" if t["ground_truth"] is None else str(t["ground_truth"])) for t in trajectories]
+        return models.score(sequences, texts)
 
     def to_training_batch(self, trajectories: list[dict[str, Any]]) -> Batch:
         """The step's light batch (store keys and scalar columns). No-op samples make the count divisible by

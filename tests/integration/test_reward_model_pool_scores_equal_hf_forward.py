@@ -26,7 +26,7 @@ def test_pool_models_score_like_hf(ray_cluster, tmp_path):
     other = str(make_tiny_reward_model("qwen2", tmp_path / "other", char_tokenizer(), seed=2))
     texts = ["3+4=7", "What is two plus two? Two plus two is four.", "12+9=21", "hello world"]
     ids = [AutoTokenizer.from_pretrained(str(tmp_path / "policy")).encode(t) for t in texts]
-    spec = dict(placement="pool", num_cpus=1, max_tokens_per_micro_batch=24)
+    spec = dict(kind="discriminative", placement="pool", num_cpus=1, max_tokens_per_micro_batch=24)
     models = RewardModels([SimpleNamespace(name="same", path=same, weight=0.5, rerender=False, **spec),
                            SimpleNamespace(name="other", path=other, weight=-1.0, rerender=True, **spec)],
                           str(tmp_path / "policy"))

@@ -24,10 +24,12 @@ class Store:
 class LengthModel:
     """A stand-in for RewardModels: scores a sequence by its length."""
 
+    needs_token_ids = True
+
     def __init__(self):
         self.weights = {"len": 0.5}
 
-    def score(self, sequences):
+    def score(self, sequences, texts):
         return {"len": [float(len(s)) for s in sequences]}
 
 

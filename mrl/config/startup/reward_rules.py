@@ -1,8 +1,9 @@
 """Start-up rules on the reward: `reward.reward_fn` names a function that loads, and with "auto" every data_source
 of the data files has a registered one (an unknown source once fell back to math scoring: a run of silent zeros);
-each of `reward.models` is placed in a pool, is a one-label sequence classifier and shares the policy's tokenizer
-unless a re-render is configured; an `algorithm.distill` teacher is a causal LM that fits its layout and shares the
-student's tokenizer.
+each of `reward.models` is placed in a pool; a discriminative one is a one-label sequence classifier sharing the
+policy's tokenizer unless a re-render is configured; a generative judge has a template, parser and fallback that
+mrl/reward/judge.py accepts and a readable folder; an `algorithm.distill` teacher is a causal LM that fits its
+layout and shares the student's tokenizer.
 
 Registered with `@rule` like those of validate.py, which imports this module.
 """
@@ -10,6 +11,7 @@ Registered with `@rule` like those of validate.py, which imports this module.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator
 
@@ -66,8 +68,68 @@ def _reward_models(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
         if m.num_cpus < 1 or m.max_tokens_per_micro_batch < 1:
             yield Violation(key, f"num_cpus={m.num_cpus}, max_tokens_per_micro_batch={m.max_tokens_per_micro_batch}",
                             "both at least 1")
-        if check_paths:
+        if m.kind == "generative":
+            yield from _judge_settings(key, m)
+            if check_paths:
+                yield from _judge_folder(key, m)
+        elif m.kind != "discriminative":
+            yield Violation(f"{key}.kind", m.kind, "one of discriminative (a sequence classifier), generative (an "
+                                                   "LLM judge)")
+        elif check_paths:
             yield from _reward_model_folder(key, m, str(cfg.model.tokenizer_path or cfg.model.path))
+
+
+def _judge_settings(key: str, m: DictConfig) -> Iterator[Violation]:
+    """A generative judge's template, parser, fallback and sampling: each refused here rather than as a run of
+    fallback scores (mrl/reward/judge.py reads them the same way)."""
+    from mrl.reward.judge import make_parser, template_fields
+    from rollout_adapters.base import ADAPTERS
+
+    try:
+        template_fields(str(m.template))
+    except ValueError as err:
+        yield Violation(f"{key}.template", m.template, f"a format string over {{prompt}}, {{response}}, "
+                                                       f"{{ground_truth}}: {err}")
+    try:
+        make_parser(str(m.parser))
+    except ValueError as err:
+        yield Violation(f"{key}.parser", m.parser, f"a regex whose first group is the score, or "
+                                                   f"'package.module:function': {err}")
+    fallback = m.fallback_score
+    if isinstance(fallback, bool) or not isinstance(fallback, int | float) or not math.isfinite(fallback):
+        yield Violation(f"{key}.fallback_score", fallback, "a finite number (the score of an answer that does not "
+                                                           "parse)")
+    if m.backend not in ADAPTERS:
+        yield Violation(f"{key}.backend", m.backend, f"one of {', '.join(ADAPTERS)} (a rollout backend)")
+    for name in ("num_replicas", "tensor_model_parallel_size", "max_new_tokens", "max_model_len"):
+        if m[name] < 1:
+            yield Violation(f"{key}.{name}", m[name], "must be >= 1")
+    if m.temperature < 0:
+        yield Violation(f"{key}.temperature", m.temperature, "must be >= 0 (0: greedy)")
+    if not 0 < m.top_p <= 1:
+        yield Violation(f"{key}.top_p", m.top_p, "must be in (0, 1]")
+
+
+def _judge_folder(key: str, m: DictConfig) -> Iterator[Violation]:
+    """The judge's folder: readable, a config.json that parses and is no classifier, a tokenizer that loads (the
+    driver renders and decodes with it)."""
+    config_file = os.path.join(str(m.path), "config.json")
+    try:
+        with open(config_file) as f:
+            archs = json.load(f).get("architectures") or []
+    except (OSError, ValueError) as err:
+        yield Violation(f"{key}.path", m.path, f"a readable HF folder of a causal LM with config.json "
+                                               f"({type(err).__name__}: {err})")
+        return
+    if any(a.endswith("ForSequenceClassification") for a in archs):
+        yield Violation(f"{key}.path", m.path, f"a causal LM for kind=generative; found {archs} (a classifier is "
+                                               "kind=discriminative)")
+    try:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(str(m.path))
+    except Exception as err:
+        yield Violation(f"{key}.path", m.path, f"a judge folder whose tokenizer loads ({type(err).__name__}: {err})")
 
 
 def _reward_model_folder(key: str, m: DictConfig, policy_tokenizer: str) -> Iterator[Violation]:
