@@ -449,8 +449,8 @@ class PPOTrainer:
         for i in range(0, len(prompts), batch_size):
             chunk = prompts[i : i + batch_size]
             trajectories = self.parts.agent_loops.generate(chunk, n, sampling)
-            self.store.delete([t["key"] for t in trajectories])  # scored from its text; never trained on
-            self.score(trajectories, chunk)
+            self.score(trajectories, chunk)  # before the drop: a discriminative reward model reads the token ids
+            self.store.delete([t["key"] for t in trajectories])  # never trained on
             out += trajectories
         return out
 
