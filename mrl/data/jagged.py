@@ -15,7 +15,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -33,6 +35,20 @@ def compact_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if owns_storage and tensor.is_contiguous() else tensor.clone(memory_format=torch.contiguous_format)
 
 
+def _raw_bytes(tensor: torch.Tensor) -> tuple[np.ndarray, torch.dtype, tuple[int, ...]]:
+    tensor = tensor.detach().contiguous()
+    return tensor.reshape(-1).view(torch.uint8).numpy(), tensor.dtype, tuple(tensor.shape)
+
+
+def _from_raw_bytes(data: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    # A buffer Ray hands over without copying is read-only; a tensor over it must not be written in place.
+    return torch.from_numpy(data if data.flags.writeable else data.copy()).view(dtype).reshape(shape)
+
+
+def _unpickle(values: tuple[Any, ...], offsets: tuple[Any, ...]) -> JaggedTensor:
+    return JaggedTensor(_from_raw_bytes(*values), _from_raw_bytes(*offsets))
+
+
 @dataclass(frozen=True)
 class JaggedTensor:
     """`n` variable-length tensors sharing trailing feature dims, stored as values + offsets (see module doc)."""
@@ -48,6 +64,15 @@ class JaggedTensor:
             )
         if self.values.dim() == 0:
             raise ValueError("values must have a leading token dimension, got a 0-d tensor")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """CPU tensors travel as raw bytes. torch pickles a tensor's storage by naming torch.storage._load_from_bytes,
+        which megatron.core replaces with its own loader on import: a Megatron worker's tensors named megatron.core,
+        and every process that unpickled one imported it (3 s of CPU in each sample-store unit, which stalled the
+        first old-log-prob write of every run on 2 cores)."""
+        if self.values.device.type != "cpu" or self.offsets.device.type != "cpu":
+            return JaggedTensor, (self.values, self.offsets)
+        return _unpickle, (_raw_bytes(self.values), _raw_bytes(self.offsets))
 
     @classmethod
     def from_list(cls, tensors: Sequence[torch.Tensor], *, like: torch.Tensor | None = None) -> JaggedTensor:

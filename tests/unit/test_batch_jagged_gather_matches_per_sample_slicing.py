@@ -46,3 +46,21 @@ def test_empty_and_scalar_inputs():
         JaggedTensor.from_list([torch.tensor(1.0)])
     with pytest.raises(ValueError, match="1-D int64"):
         JaggedTensor(torch.zeros(3), torch.tensor([0, 3], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int16, torch.bool])
+def test_pickle_round_trips_and_names_no_megatron_module(dtype):
+    import pickle
+
+    import megatron.core  # noqa: F401  (replaces torch's storage loader, which a tensor's pickle names)
+
+    samples = [torch.randn(n, 2, 2).to(dtype) for n in (3, 0, 5)]
+    whole = JaggedTensor.from_list(samples)
+    for jagged in (whole, whole.slice(1, 3), JaggedTensor.from_list([], like=samples[0])):
+        before = jagged.values.clone()
+        data = pickle.dumps(jagged, protocol=5)
+        assert b"megatron" not in data
+        back = pickle.loads(data)
+        assert back.equal(jagged) and back.values.shape == jagged.values.shape
+        back.values.zero_()  # writable, and its own memory: the original is untouched
+        assert torch.equal(jagged.values, before)
