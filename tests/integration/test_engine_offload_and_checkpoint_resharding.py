@@ -10,6 +10,8 @@
   checkpoint saved before the first optimizer step (Adam state not created yet): loaded at TP=1, the first step's
   loss is the TP=2 run's; the TP=2 checkpoint also continues identically at PP=2, and loaded again into an engine
   that has trained since, it restores the LR schedule's step count (not advanced twice) and the same next loss.
+- In bf16 every parameter is bf16 (the local spec's norms too, as Megatron-LM's Float16Module casts them), and a
+  checkpoint of the distributed optimizer saves and loads (a float32 norm in a bf16 group broke the save).
 - With actor.lora the checkpoint holds the adapters (B split like a column-parallel weight, A like a row-parallel
   one) and their Adam state: saved at TP=2 after one step and loaded at TP=1 (DP=2), training continues with the
   TP=2 run's losses.
@@ -51,12 +53,13 @@ def loss_fn(outputs, mb, normalizer):
     return agg_loss(-mb["advantages"] * outputs["log_probs"], mb["response_mask"], "token-mean", normalizer), {}
 
 
-def engine(path: str, tp: int, distributed_optimizer: bool = True, pp: int = 1, lora: bool = False):
+def engine(path: str, tp: int, distributed_optimizer: bool = True, pp: int = 1, lora: bool = False,
+           dtype: str = "float32"):
     from mrl.config.schema import LoRAConfig, MegatronConfig, OptimConfig
     from mrl.engine.megatron.engine import MegatronEngine
 
     cfg = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                         use_distributed_optimizer=distributed_optimizer)
+                         use_distributed_optimizer=distributed_optimizer, params_dtype=dtype)
     e = MegatronEngine(
         path, cfg, OptimConfig(lr=1e-3, lr_warmup_steps=0, lr_decay_style="linear"), micro_batch_size=2, total_steps=6,
         lora=LoRAConfig(enable=True, rank=4, alpha=8.0) if lora else None,
@@ -142,6 +145,15 @@ def run(rank: int, world: int, path: str, ckpt_dir: str) -> dict:
         lora1 = engine(path, 1, lora=True)
         lora1.load_checkpoint(f"{ckpt_dir}/lora_tp2_step1")
         out["lora_reshard"] = {"tp2": lora_losses, "tp1": [step(lora1), step(lora1)]}
+        # bf16 with the distributed optimizer: every parameter (norms included) in bf16, saved after a step
+        bf16 = engine(path, 1, dtype="bfloat16")
+        out["bf16_dtypes"] = sorted({str(p.dtype) for c in bf16.unwrapped() for p in c.parameters()})
+        first = step(bf16)
+        bf16.save_checkpoint(f"{ckpt_dir}/bf16_step1")
+        bf16_losses = [first, step(bf16), step(bf16)]
+        bf16_again = engine(path, 1, dtype="bfloat16")
+        bf16_again.load_checkpoint(f"{ckpt_dir}/bf16_step1")
+        out["bf16"] = {"saved": bf16_losses, "loaded": [step(bf16_again), step(bf16_again)]}
     finally:
         teardown()
     return out
@@ -170,3 +182,6 @@ def test_offload_round_trip_and_checkpoint_resharding(tmp_path):
         lora = r["lora_reshard"]
         assert len(set(lora["tp2"])) == 3 and lora["tp2"] != dist["tp2"], lora
         assert all(abs(a - b) < 1e-5 for a, b in zip(lora["tp1"], lora["tp2"][1:])), lora
+        # Megatron's distributed-optimizer checkpoint needs one dtype per parameter group (norms were float32)
+        assert r["bf16_dtypes"] == ["torch.bfloat16"], r["bf16_dtypes"]
+        assert r["bf16"]["loaded"] == r["bf16"]["saved"][1:], r["bf16"]

@@ -191,7 +191,19 @@ def build_model(
             vp_stage=vp_stage,
             **model_kwargs,
         )
+        _cast_parameters(model, config.params_dtype)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
+
+
+def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every parameter in the engine's dtype, as Megatron-LM's Float16Module casts its model. The local spec's
+    torch norms are built in float32 whatever `params_dtype` says. Besides differing from the HF model (bf16
+    norms), a parameter group mixing float32 and bf16 parameters breaks Megatron 0.19's distributed-optimizer
+    checkpoint: its parameter-to-state index assumes one order, the optimizer's groups hold another (float32
+    parameters first), and saving fails on a size mismatch. Buffers (RoPE frequencies) keep their dtype."""
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
