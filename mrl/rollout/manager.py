@@ -415,7 +415,9 @@ class LLMServerManager:
 
     def read_weights(self) -> list[dict[str, torch.Tensor]]:
         """Every replica's parameters in the engine's names (checks that a sync delivered the export exactly)."""
-        return self._all("read_weights")
+        from safetensors.torch import load
+
+        return [load(packed) for packed in self._all("read_weights")]
 
     def abort_all(self) -> list[int]:
         with self._lock:

@@ -126,8 +126,13 @@ class RolloutServer:
         context = ray.get_runtime_context()
         return {**await self.adapter.health(), "pid": os.getpid(), "placement_group": context.get_placement_group_id()}
 
-    async def read_weights(self) -> dict[str, Any]:
-        return await self.adapter.read_weights()
+    async def read_weights(self) -> bytes:
+        """The engine's parameters as safetensors bytes. Ray would pickle the tensors through torch's legacy
+        storage format, which megatron.core's safe unpickler (weights_only) cannot read for float8 storages:
+        an FP8 engine's read-back failed on the caller's side."""
+        from safetensors.torch import save
+
+        return save(await self.adapter.read_weights())
 
     async def events(self) -> list[str]:
         return list(self.adapter.events)

@@ -54,10 +54,6 @@ def demo_trainer(paths: dict[str, Any], root: Path, *overrides: str, cls: Any = 
 
 def engine_matches_export(trainer: Any) -> list[str]:
     """Engine parameters (read back) that differ in any bit from the actor's export (rollout_adapters/vllm/readback)."""
-    from rollout_adapters.vllm.readback import mismatched_params
+    from rollout_adapters.vllm.readback import hybrid_engine_mismatches
 
-    group = trainer.parts.actor_rollout
-    group.onload()  # the export reads the actor's parameters, offloaded while the engine generates
-    exported = group.export_to_host()[0]
-    group.offload()
-    return mismatched_params(trainer.parts.rollout.read_weights()[0], exported)
+    return hybrid_engine_mismatches(trainer.parts.actor_rollout, trainer.parts.rollout)
