@@ -17,6 +17,7 @@ import ray
 
 from mrl.config.passthrough import require_engine_kwargs
 from mrl.rollout.bursts import serve_many
+from mrl.utils.process_logs import own_log_tail
 from mrl.weight_sync import report_failure
 from rollout_adapters.base import RolloutAdapter, TokenOutput, adapter_class
 
@@ -63,7 +64,13 @@ class RolloutServer:
         # Checked at start-up where the engine is installed; here it is (a GPU node's engine, say).
         require_engine_kwargs(self.backend, self.adapter_kwargs.get("engine_kwargs") or {})
         self.adapter = adapter_class(self.backend)(self.model_path, **self.adapter_kwargs)
-        await self.adapter.start()
+        try:
+            await self.adapter.start()
+        except Exception as error:
+            # The root cause is often only in the engine's own processes' output (vLLM: "Engine core
+            # initialization failed. See root cause above"), which Ray keeps in this worker's log file.
+            tail = own_log_tail()
+            raise RuntimeError(f"the {self.backend} engine did not start: {error}\n{tail}") from error
         return time.monotonic() - start
 
     async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any]) -> TokenOutput:

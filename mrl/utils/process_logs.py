@@ -30,6 +30,18 @@ def own_log_files() -> list[str]:
     return files
 
 
+def own_log_tail(lines: int = 30) -> str:
+    """The last `lines` lines of this process's stderr file (what a child process, e.g. vLLM's engine core,
+    printed before it failed), headed by the file's path; "" when stderr is not a file."""
+    files = own_log_files()
+    if not files:
+        return ""
+    path = files[-1]  # stderr's file when the two differ (Ray: worker-<id>.err)
+    with open(path, errors="replace") as f:
+        tail = f.readlines()[-lines:]
+    return f"last {len(tail)} lines of {path}:\n" + "".join(tail)
+
+
 def ray_logs_dir() -> str | None:
     """The local Ray session's log folder, or None when this process holds no Ray node."""
     import ray

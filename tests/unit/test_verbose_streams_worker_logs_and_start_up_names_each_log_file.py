@@ -64,6 +64,22 @@ def test_a_process_names_the_files_its_output_goes_to(tmp_path):
     assert piped.stdout.strip() == "[]"  # a pipe or terminal is no file to point at
 
 
+def test_a_failed_engine_start_can_quote_what_its_child_processes_printed(tmp_path):
+    """A replica that fails to start quotes its stderr file's tail (vLLM's engine core prints the root cause
+    there, in a child process that shares the file)."""
+    out, err = tmp_path / "worker.out", tmp_path / "worker.err"
+    script = ("import subprocess, sys; from mrl.utils.process_logs import own_log_tail; "
+              "subprocess.run([sys.executable, '-c', 'import sys; [print(f\"line {i}\", file=sys.stderr) "
+              "for i in range(50)]; print(\"ValueError: root cause\", file=sys.stderr)']); "
+              "print(own_log_tail(lines=3))")
+    with out.open("w") as stdout, err.open("w") as stderr:
+        subprocess.run([sys.executable, "-c", script], stdout=stdout, stderr=stderr, check=True)
+    assert out.read_text() == f"last 3 lines of {err}:\nline 48\nline 49\nValueError: root cause\n\n"
+    piped = subprocess.run([sys.executable, "-c", "from mrl.utils.process_logs import own_log_tail; "
+                            "print(repr(own_log_tail()))"], capture_output=True, text=True, check=True)
+    assert piped.stdout.strip() == "''"
+
+
 class StandInActor:
     """Runs `__ray_call__` in this process, as Ray runs it inside the actor."""
 
