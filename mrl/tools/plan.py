@@ -165,7 +165,7 @@ def make_plan(recipe: str, overrides: list[str] | None = None, *, device_gib: fl
         problems += [f"config: {v}" for v in err.violations]
     shape = shape_from_config(config)
     acc = accounting(cfg, shape)
-    mem = estimate(cfg, shape, device_gib, rollout_overhead_gib)
+    mem = estimate(cfg, shape, device_gib, rollout_overhead_gib, _teacher_shape(cfg, problems))
     name = Path(cfg.model.path.rstrip("/")).name
     m = cfg.actor.megatron
     stages = stage_layers(shape.num_layers, m.pipeline_model_parallel_size,
@@ -174,6 +174,18 @@ def make_plan(recipe: str, overrides: list[str] | None = None, *, device_gib: fl
                 peak=_phases(cfg, mem), stage_layers=stages)
     _check(cfg, acc, mem, plan.problems, plan.notes)
     return plan
+
+
+def _teacher_shape(cfg: DictConfig, problems: list[str]) -> ModelShape | None:
+    """The distillation teacher's shape (its folder's config.json, or a built-in shape named like it)."""
+    distill = cfg.algorithm.distill
+    if not distill.enable:
+        return None
+    try:
+        return shape_from_config(resolve_model_config(distill.teacher_path)[0])
+    except FileNotFoundError as err:
+        problems.append(f"algorithm.distill.teacher_path: {err}")
+        return None
 
 
 def _per_replica(a: Accounting) -> str:

@@ -141,3 +141,18 @@ def test_the_critic_holds_a_value_head_instead_of_the_vocabulary_projection():
     per_device = (p["layers"] + p["embedding"] + 4096 + 1) / 2  # the [4096 → 1] score head, not 151936 x 4096
     assert critic.params == pytest.approx(2 * per_device)
     assert critic.grads == pytest.approx(4 * per_device)
+
+
+def test_a_distillation_teacher_counts_as_a_frozen_engine_on_the_references_layout():
+    p = _qwen3_8b_params()
+    base = [*SEED_DEFAULTS, "rollout.n=1", "actor.use_kl_loss=false", "ref.megatron.tensor_model_parallel_size=2",
+            "ref.megatron.params_dtype=bfloat16", "algorithm.distill.enable=true"]
+    plan = make_plan("qwen3/8b_grpo", [*base, "algorithm.distill.teacher_path=/ckpt/Qwen3-8B"])
+    teacher = next(e for e in plan.memory.training if e.role == "teacher")
+    assert teacher.params == pytest.approx(2 * (p["layers"] + 2 * p["embedding"]) / 2)  # bf16 over TP=2
+    assert teacher.grads == teacher.optimizer == teacher.activations == 0  # forward-only
+    assert plan.memory.training_total == pytest.approx(sum(e.total for e in plan.memory.training))
+    bigger = make_plan("qwen3/8b_grpo", [*base, "algorithm.distill.teacher_path=/ckpt/Qwen3-30B-A3B"])
+    assert next(e.params for e in bigger.memory.training if e.role == "teacher") > 3 * teacher.params
+    unknown = make_plan("qwen3/8b_grpo", [*base, "algorithm.distill.teacher_path=/ckpt/no-such-model"])
+    assert any(p.startswith("algorithm.distill.teacher_path: no config.json") for p in unknown.problems)
