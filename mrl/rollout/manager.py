@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
@@ -474,6 +475,8 @@ class LLMServerManager:
         for replica in starting[0] if starting is not None else []:  # start-up failed before wait_started
             replica.shutdown(timeout_s=5)
         self.release_sync_group()
-        for rank in list(self.replicas):
-            self.remove_replica(rank)
+        ranks = list(self.replicas)
+        if ranks:  # each engine's shutdown waits on its own processes: stop them all at once
+            with ThreadPoolExecutor(max_workers=len(ranks), thread_name_prefix="mrl-replica-stop") as pool:
+                list(pool.map(self.remove_replica, ranks))
         ray.kill(self.balancer)

