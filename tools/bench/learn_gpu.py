@@ -326,11 +326,17 @@ def main() -> None:
         for run in runs:
             run_grpo(args, shape, task, run, out)
     for run in runs:
-        run_file = out / run.label / "run_summary.json"
-        if not run_file.exists():
+        run_file, metrics = out / run.label / "run_summary.json", out / run.label / "metrics.jsonl"
+        if run_file.exists():
+            summary["runs"][run.label] = json.loads(run_file.read_text())
+        elif metrics.exists():  # the run stopped early: its steps still count, marked as such
+            records = [json.loads(line) for line in metrics.read_text().splitlines()]
+            summary["runs"][run.label] = {**summarize(records, float("nan")), "stopped_early": True}
+        else:
             continue
-        summary["runs"][run.label] = json.loads(run_file.read_text())
         curve = summary["runs"][run.label]["val_greedy_acc"]
+        if not curve:
+            continue
         print(f"[learn] {run.label}: held-out greedy accuracy {curve[0][1]:.3f} -> {curve[-1][1]:.3f} "
               f"({100 * (curve[-1][1] - curve[0][1]):+.1f} points) in {summary['runs'][run.label]['train_s']:.0f} s",
               flush=True)
