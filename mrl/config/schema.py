@@ -314,6 +314,10 @@ class RolloutConfig:
     # output layer and routers stay in rollout.dtype; the engine starts from a block-FP8 copy of model.path in the
     # system temp folder; docs/fp8.md).
     quantization: str | None = None
+    # Block scales of rollout.quantization=fp8: fp32 (any value; the engine runs DeepGEMM, where present, with fp32
+    # scales: VLLM_USE_DEEP_GEMM_E8M0=0) or ue8m0 (powers of two, DeepGEMM's E8M0 format, vLLM's default on Hopper
+    # and Blackwell; Blackwell's DeepGEMM needs it). Either way the engine holds the quantised export bit for bit.
+    fp8_scale_format: str = "fp32"
     # Reuse the KV cache of shared prompt prefixes (vLLM prefix caching, SGLang radix cache, TensorRT-LLM block
     # reuse); the cache is cleared after every weight sync, so hits are within one version's requests.
     enable_prefix_caching: bool = True

@@ -96,6 +96,8 @@ class ReplicaSpec:
     lora_rank: int | None = None
     # Weights the engine generates with (rollout.quantization): None, or "fp8" (vllm only).
     quantization: str | None = None
+    # Its block scales (rollout.fp8_scale_format): "fp32" or "ue8m0".
+    fp8_scale_format: str = "fp32"
 
     def server_env(self) -> dict[str, str]:
         """Environment of the server process: the defaults, the engine's listening address, then `env`."""
@@ -125,7 +127,8 @@ class ReplicaSpec:
             # Only when asked: backends without the capability refuse the setting by name.
             **({"return_routed_experts": True} if self.return_routed_experts else {}),
             **({"lora_rank": self.lora_rank} if self.lora_rank is not None else {}),
-            **({"quantization": self.quantization} if self.quantization is not None else {}),
+            **({"quantization": self.quantization, "fp8_scale_format": self.fp8_scale_format}
+               if self.quantization is not None else {}),
         }
 
 

@@ -58,6 +58,7 @@ def rollout_spec(c: MrlConfig) -> ReplicaSpec:
         return_routed_experts=c.actor.megatron.router_replay == "rollout",
         lora_rank=c.actor.lora.rank if c.actor.lora.enable and c.actor.lora.sync == "adapter" else None,
         quantization=r.quantization,
+        fp8_scale_format=r.fp8_scale_format,
     )
 
 

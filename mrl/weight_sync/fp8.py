@@ -8,6 +8,13 @@ block-FP8 method runs on a BF16 checkpoint), step for step, so the bytes and sca
 (tests/unit/test_fp8_blockwise_quantiser_matches_vllm_bit_for_bit.py): amax of |w| per block, floored at 1e-4,
 scale = amax / 448, bytes = (w × (1 / scale)) cast to e4m3.
 
+Scale formats (rollout.fp8_scale_format). `fp32`: any fp32 scale; the vllm adapter turns DeepGEMM's E8M0 scales
+off (VLLM_USE_DEEP_GEMM_E8M0=0), because with them on (vLLM's default on Hopper and Blackwell) vLLM re-quantises
+every block-FP8 weight it loads to power-of-two scales (`requant_weight_ue8m0_inplace`), and the engine would not
+hold what was sent: an H100 run found every FP8 weight and scale changed after the first sync. `ue8m0`: scales
+rounded up to powers of two, as vLLM's `per_block_cast_to_fp8(use_ue8m0=True)` does, then put in the form that
+vLLM's re-quantisation leaves unchanged (`_ue8m0_fixed_point`), so the engine again holds the bytes as sent.
+
 Used on both sides: the trainer quantises its export stream tensor by tensor on its own device as it is sent
 (`quantized_stream`: no second full-precision copy of the model), and the vllm adapter writes the block-FP8 copy of
 the model folder its engine starts from (`write_quantized_copy`). Imports torch and safetensors only (the package
@@ -44,8 +51,9 @@ def is_quantized(name: str, tensor: torch.Tensor) -> bool:
     return tensor.dim() == 2 and bool(_LINEAR.search(name))
 
 
-def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 bytes of weight's shape, fp32 scales [ceil(N/128), ceil(K/128)]) of one 2-D weight, on its device.
+def quantize(weight: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 bytes of weight's shape, fp32 scales [ceil(N/128), ceil(K/128)]) of one 2-D weight, on its device;
+    `ue8m0`: power-of-two scales (the `ue8m0` scale format above).
 
     Only a shape that is not a multiple of the block is padded (with zeros, which leave every block's amax as it
     is); the one full-size temporary is the fp32 product that is cast to e4m3.
@@ -59,10 +67,27 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # |w| is exact in the weight's dtype and widening to fp32 is monotonic: the amax equals vLLM's fp32 one.
     amax = blocks.abs().amax(dim=(1, 3), keepdim=True).float().clamp(min=AMAX_FLOOR)
     scale = amax / FP8_MAX
-    q = (blocks * (1.0 / scale)).to(FP8_DTYPE).view(rows * BLOCK, cols * BLOCK)
+    if ue8m0:
+        scale = torch.pow(2.0, torch.ceil(torch.log2(scale)))
+    q = (blocks * (1.0 / scale)).to(FP8_DTYPE)
+    if ue8m0:
+        q, scale = _ue8m0_fixed_point(q, scale)
+    q = q.view(rows * BLOCK, cols * BLOCK)
     if q.shape != (n, k):
         q = q[:n, :k].contiguous()
     return q, scale.view(rows, cols)
+
+
+def _ue8m0_fixed_point(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same block values in the form vLLM's UE8M0 re-quantisation keeps: that re-quantisation, once, step for
+    step (dequantise, amax floored at 1e-4, scale rounded up to a power of two, cast). With power-of-two scales it
+    changes a block only where the largest byte is exactly 224 (amax / s in (224, 232) rounds down to it: it picks
+    s / 2 and doubles the bytes, exactly) or where the 1e-4 floor decides; its output is unchanged by a second pass.
+    (Blocks [rows, 128, cols, 128].)"""
+    values = q.float() * scale
+    amax = values.abs().amax(dim=(1, 3), keepdim=True).clamp(min=AMAX_FLOOR)
+    scale = torch.pow(2.0, torch.ceil(torch.log2(amax / FP8_MAX)))
+    return (values * (1.0 / scale)).to(FP8_DTYPE), scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -71,11 +96,11 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
     return (q.float() * expanded).to(dtype)
 
 
-def quantized_stream(stream: Iterable[tuple]) -> Iterator[tuple]:
+def quantized_stream(stream: Iterable[tuple], ue8m0: bool = False) -> Iterator[tuple]:
     """The export stream with each linear weight replaced by its e4m3 bytes followed by `<name>_scale_inv`, one
-    tensor at a time. A TP slice (weight_sync.tp_slices) is quantised on its own, which equals the same rows of the
-    whole tensor's quantisation when the slice is whole blocks along its cut (what vLLM requires of block-FP8 TP
-    layouts); its scales travel as the same slice of the scale tensor."""
+    tensor at a time (`ue8m0`: power-of-two scales). A TP slice (weight_sync.tp_slices) is quantised on its own,
+    which equals the same rows of the whole tensor's quantisation when the slice is whole blocks along its cut (what
+    vLLM requires of block-FP8 TP layouts); its scales travel as the same slice of the scale tensor."""
     for name, tensor, *tags in stream:
         tp_slice, blocks = stream_tags(tags)
         if blocks and _LINEAR.search(name):
@@ -88,15 +113,16 @@ def quantized_stream(stream: Iterable[tuple]) -> Iterator[tuple]:
             raise ValueError(f"rollout.quantization=fp8: {name}'s TP slice has {tensor.shape[tp_slice.dim]} rows "
                              f"along dim {tp_slice.dim}, not whole {BLOCK}-blocks; vLLM's block-FP8 layers need "
                              "them too (use an engine TP that divides the layer into 128-multiples)")
-        q, scale = quantize(tensor)
+        q, scale = quantize(tensor, ue8m0)
         yield (name, q, *tags)
         yield (name + SCALE_SUFFIX, scale, *tags)
 
 
-def write_quantized_copy(source: str, target: str) -> str:
+def write_quantized_copy(source: str, target: str, ue8m0: bool = False) -> str:
     """Write the block-FP8 copy of the HF folder `source` to `target`: its safetensors files with every linear
-    weight quantised (the scales beside them), config.json with `quantization_config` (QUANTIZATION_CONFIG,
-    every 2-D weight kept in full precision listed in `ignored_layers`), every other file copied. Written beside
+    weight quantised (the scales beside them; `ue8m0`: powers of two), config.json with `quantization_config`
+    (QUANTIZATION_CONFIG, every 2-D weight kept in full precision listed in `ignored_layers`), every other file
+    copied. Written beside
     `target` and renamed into place, so engines of one node may race to write the same copy; returns `target`."""
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -113,7 +139,7 @@ def write_quantized_copy(source: str, target: str) -> str:
         if file.endswith(".safetensors"):
             with safe_open(path, "pt") as f:
                 tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is no dict)
-            out = dict(quantized_stream(tensors.items()))
+            out = dict(quantized_stream(tensors.items(), ue8m0))
             kept.update(n.removesuffix(".weight") for n, t in tensors.items()
                         if n.endswith(".weight") and t.dim() == 2 and not is_quantized(n, t))
             weight_map.update(dict.fromkeys(out, file))

@@ -361,7 +361,7 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
             return stream
         from mrl.weight_sync.fp8 import quantized_stream
 
-        return quantized_stream(stream)
+        return quantized_stream(stream, ue8m0=self.config.rollout.fp8_scale_format == "ue8m0")
 
     def _sync_adapter(self, version: int) -> dict[str, Any]:
         """actor.lora.sync=adapter: every rank joins the adapters' gather; rank 0 writes them as a PEFT folder

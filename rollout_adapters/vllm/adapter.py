@@ -8,6 +8,7 @@ Environment on CPU: VLLM_CPU_KVCACHE_SPACE (GiB of KV cache), VLLM_HOST_IP=127.0
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -77,6 +78,7 @@ class VLLMAdapter(RolloutAdapter):
         lora_rank: int | None = None,
         return_routed_experts: bool = False,
         quantization: str | None = None,
+        fp8_scale_format: str = "fp32",
     ) -> None:
         super().__init__(max_model_len)
         import torch
@@ -86,8 +88,9 @@ class VLLMAdapter(RolloutAdapter):
         # fp8: the engine starts from a block-FP8 copy of the model (written by `start`) and every weight sync
         # brings quantised tensors (mrl/weight_sync/fp8.py, docs/fp8.md).
         self.source_model = model_path
+        self.ue8m0 = fp8_scale_format == "ue8m0"
         if quantization is not None:
-            model_path = fp8_copy_path(model_path)
+            model_path = fp8_copy_path(model_path, fp8_scale_format)
 
         on_gpu = torch.cuda.is_available()
         # Router replay R3: the layers of the engine's per-token routing that mrl keeps (rollout_adapters/vllm/
@@ -157,11 +160,20 @@ class VLLMAdapter(RolloutAdapter):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        if self.engine_args["quantization"] is not None:
-            from mrl.weight_sync.fp8 import write_quantized_copy
-
-            await asyncio.to_thread(write_quantized_copy, self.source_model, self.engine_args["model"])
+        await asyncio.to_thread(self.prepare_quantized_model)
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
+
+    def prepare_quantized_model(self) -> None:
+        """With rollout.quantization=fp8: write the block-FP8 copy the engine starts from (once per node) and set
+        the scale format of vLLM's DeepGEMM. While DeepGEMM's E8M0 is on (vLLM's default on Hopper and Blackwell)
+        vLLM re-quantises every block-FP8 weight it loads to power-of-two scales; the format decides it, so the
+        engine holds what mrl sends (mrl/weight_sync/fp8.py). The engine core and its Ray workers inherit it."""
+        if self.engine_args["quantization"] is None:
+            return
+        from mrl.weight_sync.fp8 import write_quantized_copy
+
+        os.environ["VLLM_USE_DEEP_GEMM_E8M0"] = "1" if self.ue8m0 else "0"
+        write_quantized_copy(self.source_model, self.engine_args["model"], self.ue8m0)
 
     async def _generate(
         self, request_id: str, prompt_ids: list[int], params: dict[str, Any], budget: int,
@@ -298,16 +310,16 @@ def routed_moe_layers(model_path: str, on_gpu: bool) -> list[int]:
     return layers
 
 
-def fp8_copy_path(model_path: str) -> str:
+def fp8_copy_path(model_path: str, scale_format: str = "fp32") -> str:
     """Where the block-FP8 copy of `model_path` lives: the system temp folder's mrl-fp8/, one folder per model
-    state (its real path and its files' sizes and times), so the engines of one node share a copy and a changed
-    model gets a new one."""
+    state (its real path and its files' sizes and times) and scale format, so the engines of one node share a copy
+    and a changed model gets a new one."""
     import hashlib
-    import os
     import tempfile
 
     source = os.path.realpath(model_path)
     files = sorted(os.scandir(source), key=lambda e: e.name) if os.path.isdir(source) else []
-    state = [source] + [f"{e.name}:{e.stat().st_size}:{e.stat().st_mtime_ns}" for e in files if e.is_file()]
+    state = [source, scale_format] + [f"{e.name}:{e.stat().st_size}:{e.stat().st_mtime_ns}" for e in files
+                                      if e.is_file()]
     key = hashlib.sha1("\n".join(state).encode()).hexdigest()[:16]
     return os.path.join(tempfile.gettempdir(), "mrl-fp8", f"{os.path.basename(source)}-{key}")

@@ -2,7 +2,7 @@
 fp8 config, give exactly their own one-line error naming the setting and the rule: a backend other than vllm
 (named), one_copy with ipc, a float32 engine, LoRA adapters served on the FP8 base, a device without block-FP8
 kernels (a CPU without AMX, a GPU below compute capability 8.0) and layer sizes that are not whole 128-row blocks
-per TP rank; an unknown value is refused too. The 0.5B and 1.5B shapes of the GPU benchmarks pass."""
+per TP rank; an unknown value or scale format is refused too. The 0.5B and 1.5B shapes of the GPU benchmarks pass."""
 
 import pytest
 import torch
@@ -33,7 +33,7 @@ def violations(*overrides: str, model_config: dict | None = None) -> list:
 
 
 def test_a_valid_fp8_config_and_the_benchmark_shapes_pass():
-    assert violations() == []
+    assert violations() == [] and violations("rollout.fp8_scale_format=ue8m0") == []
     assert violations(model_config=QWEN2_5_1_5B) == violations(model_config=QWEN2_5_0_5B) == []
     assert violations("rollout.tensor_model_parallel_size=2", "resources.n_gpus_per_node=2",
                       model_config=QWEN2_5_1_5B) == []
@@ -53,6 +53,7 @@ def test_other_backends_are_refused_by_name(backend):
     (["actor.lora.enable=true", "actor.lora.sync=adapter", "rollout.sleep_level=1"], "actor.lora.sync",
      "use actor.lora.sync=merged"),
     (["rollout.quantization=int8"], "rollout.quantization", "must be null or fp8"),
+    (["rollout.fp8_scale_format=e8m0"], "rollout.fp8_scale_format", "must be one of fp32, ue8m0"),
 ])
 def test_each_violation_alone_gives_its_own_message(overrides, setting, rule):
     found = violations(*overrides)

@@ -47,3 +47,57 @@ def test_dequantised_weight_is_within_e4m3_rounding(shape):
     step = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[: shape[0], : shape[1]]
     # e4m3 keeps 3 mantissa bits (relative error <= 2^-4); below its normal range steps are 2^-9 of the scale unit
     assert ((dequantize(q, scale) - w).abs() <= w.abs() / 16 + step * 2**-9).all()
+
+
+def _vllm_requant(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What vLLM holds after loading these bytes and scales with DeepGEMM's E8M0 on (in place, on copies)."""
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import requant_weight_ue8m0_inplace
+
+    q, scale = q.clone(), scale.clone()
+    requant_weight_ue8m0_inplace(q, scale, [BLOCK, BLOCK])
+    return q, scale
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def edge_blocks_weight() -> torch.Tensor:
+    """Blocks whose largest byte lands on exactly 224 under a power-of-two scale (amax / s in (224, 232)), one that
+    the 1e-4 amax floor decides, and ordinary ones."""
+    w = weight((256, 384), torch.float32, seed=3)
+    w[:BLOCK, BLOCK:2 * BLOCK] *= 0.01
+    w[0, BLOCK] = 228 * 2.0**-12  # s = 2^-12 (228 / 448 rounds up to 2^0 of it), the byte rounds to 224
+    w[BLOCK:, 2 * BLOCK:] = torch.linspace(-3e-5, 3e-5, BLOCK * BLOCK).view(BLOCK, BLOCK)  # below the floor
+    return w
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_ue8m0_scales_are_vllms_and_survive_its_requantisation_unchanged(shape):
+    """rollout.fp8_scale_format=ue8m0: the scales are vLLM's power-of-two ones, the values are what vLLM's own UE8M0
+    cast followed by its load-time re-quantisation hold, and re-quantising mrl's bytes changes no bit (the engine
+    holds what was sent)."""
+    for w in (weight(shape, torch.bfloat16, seed=sum(shape)), edge_blocks_weight()):
+        ours, ours_scale = quantize(w, ue8m0=True)
+        assert torch.equal(ours_scale, torch.pow(2.0, torch.log2(ours_scale).round()))  # powers of two
+        held, held_scale = _vllm_requant(ours, ours_scale)
+        assert same(held, ours) and same(held_scale, ours_scale)
+        theirs, theirs_scale = _vllm_requant(*vllm_cast(w, use_ue8m0=True))
+        assert same(ours, theirs) and same(ours_scale, theirs_scale)
+
+
+def test_the_edge_block_is_one_vllm_would_change():
+    """The edge case is real: vLLM's own UE8M0 cast leaves a block whose largest byte is 224, which its load-time
+    re-quantisation rewrites (same values, half the scale), so sending vLLM's cast unchanged would not be held."""
+    q, scale = vllm_cast(edge_blocks_weight(), use_ue8m0=True)
+    held, held_scale = _vllm_requant(q, scale)
+    assert not same(held_scale, scale)
+    assert torch.equal(dequantize(held, held_scale), dequantize(q, scale))
+
+
+def test_fp32_scales_are_what_vllm_rewrites_when_e8m0_is_on():
+    """Why the fp32 format turns DeepGEMM's E8M0 off in the engine: with it on, vLLM re-quantises fp32-scale bytes
+    and every block changes (what an H100 run saw: every FP8 weight and scale differed after the first sync)."""
+    q, scale = quantize(weight((256, 384), torch.bfloat16, seed=5))
+    held, held_scale = _vllm_requant(q, scale)
+    assert not same(held_scale, scale) and not same(held, q)

@@ -118,10 +118,7 @@ async def direct_vllm(cfg: Any, rounds: int) -> dict[str, Any]:
     spec = rollout_spec(cfg)
     adapter = VLLMAdapter(spec.model_path, **spec.adapter_kwargs())
     engine_args = adapter.engine_args
-    if engine_args["quantization"] is not None:  # the block-FP8 copy the replica started from (written once)
-        from mrl.weight_sync.fp8 import write_quantized_copy
-
-        write_quantized_copy(adapter.source_model, engine_args["model"])
+    adapter.prepare_quantized_model()  # with fp8: the block-FP8 copy the replica starts from, its scale format
     start = time.monotonic()
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
     startup = time.monotonic() - start
