@@ -48,7 +48,7 @@ from typing import Any
 
 REWARD_FN = "mrl.data.chain_reward:score"
 SFT_EVAL_ROWS = 128
-STAGGER_S = 15.0  # between the starts of side-by-side runs
+STAGGER_S = 15.0  # between the starts of side-by-side runs on a GPU
 # Per shape: the model, the task's chain lengths and sizes, the warm-up and the GRPO batch.
 SHAPES: dict[str, dict[str, Any]] = {
     "smoke": dict(
@@ -106,14 +106,14 @@ def planned_runs(args: argparse.Namespace, shape: dict[str, Any]) -> list[Run]:
     return [r for r in runs if args.only in (None, r.label)]
 
 
-def side_by_side(runs: list[Run], out: Path, task_folder: Path) -> None:
+def side_by_side(runs: list[Run], out: Path, task_folder: Path, stagger_s: float) -> None:
     """Each run in a process (and Ray cluster) of its own, all at once on the same device: a 0.1B model's step is
     mostly latency, so runs that share the GPU each go almost as fast as one alone, and one lease holds them all."""
     argv = [a for a in sys.argv[1:] if a not in ("--side-by-side",)]
     children = []
     for i, run in enumerate(runs):
         if i:  # engines that profile their memory at the same instant would count each other's allocations
-            time.sleep(STAGGER_S)
+            time.sleep(stagger_s)
         children.append(subprocess.Popen(
             [sys.executable, __file__, *argv, "--task", str(task_folder), "--only", run.label, "--stages", "grpo",
              "control"], stdout=open(out / f"{run.label}.log", "w"), stderr=subprocess.STDOUT))  # noqa: SIM115
@@ -319,7 +319,8 @@ def main() -> None:
     summary_path.write_text(json.dumps(summary, indent=1))
     runs = planned_runs(args, shape)
     if args.side_by_side and len(runs) > 1:
-        side_by_side(runs, out, Path(task["model"]).parent)
+        # CPU engines size their KV cache from VLLM_CPU_KVCACHE_SPACE, without profiling: no stagger needed
+        side_by_side(runs, out, Path(task["model"]).parent, STAGGER_S if shape["grpo"]["memory"] else 0.0)
     elif runs:
         from mrl.trainer.main import init_ray
 
