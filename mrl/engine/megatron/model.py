@@ -9,7 +9,8 @@ What runs on CPU with the local spec (megatron-core 0.19.2): dense GPT (GQA, QKV
 SequentialMLP experts (router softmax or sigmoid with expert bias and group-limited top-k, shared experts), and
 multi-latent attention (MLASelfAttention with ColumnParallelLinear down/up projections and RMSNorm on the
 q/kv latents), all with ordinary [batch, seq] inputs and a causal mask. Not without TransformerEngine: packed
-(THD) sequences, context parallelism, fused grouped-GEMM experts (TEGroupedMLP) and MLA down-projection fusion.
+(THD) sequences, context parallelism, TE's grouped-GEMM experts (TEGroupedMLP; the local spec's experts run grouped
+GEMMs in bf16 through mrl/engine/megatron/grouped_experts.py instead) and MLA down-projection fusion.
 """
 
 from __future__ import annotations
@@ -147,7 +148,22 @@ def layer_spec(config: Any, *, use_te: bool | None = None, vp_stage: int | None 
             attention = layer.submodules.self_attention.submodules
             if attention.core_attention is DotProductAttention:
                 attention.core_attention = mla_attention
+    if not use_te:
+        _group_expert_gemms(spec)
     return spec
+
+
+def _group_expert_gemms(spec: Any) -> None:
+    """The local spec's SequentialMLP experts as GroupedGemmExperts (same parameters, grouped GEMMs in bf16)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from mrl.engine.megatron.grouped_experts import GroupedGemmExperts
+
+    for layer in spec.layer_specs:
+        moe = getattr(getattr(layer.submodules, "mlp", None), "keywords", {}).get("submodules")
+        experts = getattr(moe, "experts", None)
+        if isinstance(experts, functools.partial) and experts.func is SequentialMLP:
+            moe.experts = functools.partial(GroupedGemmExperts, *experts.args, **experts.keywords)
 
 
 def build_model(
