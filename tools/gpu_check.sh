@@ -36,7 +36,7 @@ declare -A CMD=(
   [moe]="python3 -m pytest $T/test_moe_r3_with_vllm_routes_like_the_engine.py -q -s --timeout=480"
   [onecopy]="python3 -m pytest $T/test_weight_sync_one_copy_lands_bit_for_bit_in_vllm.py $T/test_hybrid_one_copy_sync_lands_bit_for_bit.py -q -s --timeout=300; python3 tools/bench/weight_sync.py --one-copy --buckets-mb 2048,4096 --variants one,two --repeats 3 --vllm-bucket-mb 4096 --out $DIR/ws_one_copy.json"
   [chain]="python3 tools/bench/learn_gpu.py --shape 0.1b --out $DIR/learn --stages warmup && python3 tools/bench/learn_gpu.py --shape 0.1b --out $DIR/learn --stages grpo control --grpo-runs 1:1 2:1 1:0.7 --side-by-side --grpo-seconds 900 --control-seconds 900; MRL_LEARN_TASK=$DIR/learn/task MRL_LEARN_OUT=$DIR/learn_test python3 -m pytest $T/test_grpo_learns_the_chain_task_beyond_its_control_on_gpu.py -q -s --timeout=900"
-  [fp8]="python3 -m pytest $T/test_fp8_rollout_engine_holds_the_quantised_export_after_every_sync.py -q -s --timeout=400; python3 tools/bench/e2e_gpu.py --shapes 1.5b --quantizations none fp8 --no-warm-start --json $DIR/e2e_fp8.json"
+  [fp8]="python3 -m pytest $T/test_fp8_rollout_engine_holds_the_quantised_export_after_every_sync.py -q -s --timeout=400; python3 tools/bench/e2e_gpu.py --shapes 1.5b --variants none fp8 --no-warm-start --json $DIR/e2e_fp8.json"
   [engine]="python3 -m pytest $T/test_bridge_export_matches_hf_on_cuda.py $T/test_engine_sdpa_attention_loss_matches_local_spec_on_cuda.py $T/test_engine_tp1_on_gpu_matches_hf.py $T/test_weight_sync_cuda_ipc_delivers_bit_identical_stream.py -q --timeout=300"
 )
 declare -A LIMIT=([sleep]=300 [learn]=600 [bench05]=480 [peak]=600 [async]=400 [bench15]=600 [engine]=300 [genlayers]=600 [corr]=600 [lora]=600 [moe]=480 [onecopy]=600 [chain]=2400 [fp8]=1800)

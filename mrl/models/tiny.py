@@ -130,6 +130,14 @@ QWEN2_5_SHAPES: dict[str, dict] = {
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768),
 }
 
+# A Qwen3-MoE shape for the GPU benchmarks (tools/bench/e2e_gpu.py): 64 experts, top-8, 24 layers, 2.6B parameters of
+# which about 0.5B are active per token.
+QWEN3_MOE_SHAPES: dict[str, dict] = {
+    "moe2.6b": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                    num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512, vocab_size=151936,
+                    tie_word_embeddings=True, max_position_embeddings=32768),
+}
+
 _FAMILY_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict]] = {
     "llama": (LlamaConfig, dict(head_dim=32, attention_bias=False, mlp_bias=False)),
     # Qwen2 attention always has q/k/v biases (hard-coded in the model).

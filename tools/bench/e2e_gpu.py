@@ -1,6 +1,7 @@
 """GPU end to end: mrl's hybrid GRPO step on one device, and vLLM driven directly on the same prompts.
 
-For each shape (Qwen2.5-0.5B / 1.5B, random bf16 weights, the demo's character tokenizer), in one process:
+For each shape (Qwen2.5-0.5B / 1.5B, or `moe2.6b`: a Qwen3-MoE with 64 experts, top-8, 2.6B parameters of which about
+0.5B active; random bf16 weights, the demo's character tokenizer), in one process:
 1. mrl cold: `build_trainer` (Ray, Megatron actor, vLLM replica, agent loops) timed, then `--steps` steps of
    hybrid GRPO with responses of exactly `--response-length` tokens (ignore EOS), nothing of the training state
    offloaded (it fits beside the engine on an H200). Per step: gen, old log-prob, update, the sync's parts
@@ -12,12 +13,14 @@ For each shape (Qwen2.5-0.5B / 1.5B, random bf16 weights, the demo's character t
 3. mrl warm: `build_trainer` again on the same machine (compile caches filled), timed, then shut down.
 Prints one table per shape and the ratios the GPU issue asks for; `--json` writes everything. Where a gap in
 generation lies (the server process and its RPC, or the agent loops): tools/bench/gen_overhead.py, same shapes.
-`--quantizations none fp8` repeats 1 and 2 per shape with each rollout.quantization in the same run (same prompts,
-seeds and lengths; docs/fp8.md) and prints fp8 against none: generation tokens/s (through mrl and direct), bytes
-per sync and sync time (export + quantise + transfer + load, `sync/update`).
+`--variants none fp8 r3` repeats 1 and 2 per shape for each variant in the same run (same prompts, seeds and
+lengths) and prints each against the first: generation tokens/s (through mrl and direct), bytes per sync, sync time
+(export + quantise + transfer + load, `sync/update`) and `logprob_mismatch`. fp8 is rollout.quantization=fp8
+(docs/fp8.md); r3 is actor.megatron.router_replay=rollout, MoE shapes only (docs/moe.md).
 
     python tools/bench/e2e_gpu.py --shapes 0.5b 1.5b --response-length 1024 --batch 32 --n 8
-    python tools/bench/e2e_gpu.py --shapes 1.5b --quantizations none fp8 --json /tmp/fp8.json
+    python tools/bench/e2e_gpu.py --shapes 1.5b --variants none fp8 --json /tmp/fp8.json
+    python tools/bench/e2e_gpu.py --shapes moe2.6b --variants none r3 --json /tmp/moe.json
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ HANDOVER = ("handover/sleep", "handover/onload")
 COMPUTE = ("gen", "old_log_prob", "update_actor")
 KEPT = ("timing_s/", "perf/", "memory/", "rollout/", "rollout_corr/", "weight_sync/", "actor/")
 SMOKE = dict(vocab_size=512)  # `--shapes smoke`: the tiny default shape, to try the benchmark on a CPU
+VARIANTS = {"none": [], "fp8": ["rollout.quantization=fp8"], "r3": ["actor.megatron.router_replay=rollout"]}
 
 
 def make_task(folder: Path, shape: str, seed: int) -> dict[str, str]:
@@ -44,11 +48,12 @@ def make_task(folder: Path, shape: str, seed: int) -> dict[str, str]:
 
     from mrl.data.datasets import write_rows
     from mrl.data.synthetic import char_tokenizer, reverse_rows
-    from mrl.models.tiny import QWEN2_5_SHAPES, make_tiny_hf_model
+    from mrl.models.tiny import QWEN2_5_SHAPES, QWEN3_MOE_SHAPES, make_tiny_hf_model
 
     train, _ = reverse_rows(8, n_train=4096, n_val=8, seed=seed)
-    dims = QWEN2_5_SHAPES.get(shape, SMOKE)
-    model = make_tiny_hf_model("qwen2", folder / "model", seed=seed, tokenizer=char_tokenizer(), init_std=0.02,
+    family = "qwen3_moe" if shape in QWEN3_MOE_SHAPES else "qwen2"
+    dims = QWEN3_MOE_SHAPES.get(shape) or QWEN2_5_SHAPES.get(shape, SMOKE)
+    model = make_tiny_hf_model(family, folder / "model", seed=seed, tokenizer=char_tokenizer(), init_std=0.02,
                                dtype=torch.bfloat16, **dims)
     return {"model": str(model), "train": str(write_rows(train, folder / "train.parquet"))}
 
@@ -175,19 +180,20 @@ def report(shape: str, mrl: dict[str, Any], direct: dict[str, Any], warm_s: floa
     return ratios
 
 
-def compare_quantization(shape: str, base: dict[str, Any], quantized: dict[str, Any], name: str) -> dict[str, float]:
-    """rollout.quantization=`name` against none on one shape: generation speed, bytes per sync, sync time."""
-    m, b = quantized["mrl"]["median"], base["mrl"]["median"]
+def compare_variant(shape: str, base: dict[str, Any], variant: dict[str, Any], name: str) -> dict[str, float]:
+    """Variant `name` against the baseline on one shape: generation speed, bytes per sync, sync time, mismatch."""
+    m, b = variant["mrl"]["median"], base["mrl"]["median"]
 
     def ratio(key: str) -> float:
         return m.get(key, float("nan")) / b.get(key, float("nan"))
 
     ratios = {"gen_tokens_per_s": ratio("perf/gen_tokens_per_s"),
-              "direct_tokens_per_s": quantized["direct"]["tokens_per_s"] / base["direct"]["tokens_per_s"],
+              "direct_tokens_per_s": variant["direct"]["tokens_per_s"] / base["direct"]["tokens_per_s"],
               "sync_bytes": ratio("weight_sync/bytes_total"), "sync_update_s": ratio("timing_s/sync/update"),
               "logprob_mismatch": m.get("rollout/logprob_mismatch", float("nan")),
               "mismatch_kl": m.get("rollout/mismatch_kl", float("nan"))}
-    print(f"\n== {shape}: {name} vs none (ratios {name}/none; the issue asks gen >= 1.2, bytes ~0.5, sync time <= 1)")
+    print(f"\n== {shape}: {name} vs the first variant (ratios; fp8: the issue asks gen >= 1.2, bytes ~0.5, sync time "
+          "<= 1; r3: a lower logprob_mismatch)")
     for key in ("perf/gen_tokens_per_s", "weight_sync/bytes_total", "timing_s/sync/update", "rollout/logprob_mismatch"):
         print(f"  {key:<32} none {b.get(key, float('nan')):12.5g}   {name} {m.get(key, float('nan')):12.5g}")
     print("  ratios: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
@@ -208,8 +214,9 @@ def main() -> None:
     parser.add_argument("--direct-rounds", type=int, default=2)
     parser.add_argument("--no-warm-start", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs or compile in the engine")
-    parser.add_argument("--quantizations", nargs="+", default=["none"], choices=["none", "fp8"],
-                        help="rollout.quantization values to run per shape, in this order (the first is the baseline)")
+    parser.add_argument("--variants", "--quantizations", nargs="+", default=["none"], choices=sorted(VARIANTS),
+                        help="variants to run per shape, in this order (the first is the baseline): none, fp8 "
+                             "(rollout.quantization=fp8), r3 (router replay, MoE shapes)")
     parser.add_argument("--json", help="write every figure here")
     args = parser.parse_args()
 
@@ -227,20 +234,19 @@ def main() -> None:
         for shape in args.shapes:
             folder = Path(tmp) / shape
             paths = make_task(folder, shape, seed=1)
-            for i, quantization in enumerate(args.quantizations):
-                # results[shape] is the unquantised run, as before; others are "<shape>+<quantization>"
-                key = shape if quantization == "none" else f"{shape}+{quantization}"
-                extra = [] if quantization == "none" else [f"rollout.quantization={quantization}"]
-                cfg = load_config("tiny/grpo", overrides(paths, args, f"e2e_{key}", folder) + extra)
+            for i, variant in enumerate(args.variants):
+                # results[shape] is the plain run, as before; others are "<shape>+<variant>"
+                key = shape if variant == "none" else f"{shape}+{variant}"
+                cfg = load_config("tiny/grpo", overrides(paths, args, f"e2e_{key}", folder) + VARIANTS[variant])
                 mrl = run_mrl(cfg)
                 direct = asyncio.run(direct_vllm(cfg, args.direct_rounds))
                 warm = float("nan") if args.no_warm_start or i else startup_only(cfg)
                 results[key] = {"mrl": mrl, "direct": direct, "warm_startup_s": warm,
                                 "ratios": report(key, mrl, direct, warm)}
                 if i:
-                    first = args.quantizations[0]
+                    first = args.variants[0]
                     base = results[shape if first == "none" else f"{shape}+{first}"]
-                    results[key]["vs_" + first] = compare_quantization(shape, base, results[key], quantization)
+                    results[key]["vs_" + first] = compare_variant(shape, base, results[key], variant)
                 if args.json:
                     Path(args.json).write_text(json.dumps(results, indent=1, default=str))
 
