@@ -106,8 +106,8 @@ def _colocated(cfg: DictConfig, key: str, m: DictConfig, check_paths: bool) -> I
             hf = json.load(f)
     except (OSError, ValueError):
         return  # the folder rule says so
-    yield from _frozen_engine_shape(cfg, f"{key}.path", str(m.path), hf, "a sequence classifier",
-                                    f"the reward model {m.name}")
+    yield from _frozen_engine_shape(cfg, f"{key}.path", str(m.path), hf, f"the reward model {m.name}",
+                                    classifier=True)
 
 
 def _judge_settings(key: str, m: DictConfig) -> Iterator[Violation]:
@@ -229,7 +229,7 @@ def _distill(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
         return
     with open(config_file) as f:
         hf = json.load(f)
-    yield from _frozen_engine_shape(cfg, key, path, hf, "a causal LM", "the teacher")
+    yield from _frozen_engine_shape(cfg, key, path, hf, "the teacher")
     student = str(cfg.model.tokenizer_path or cfg.model.path)
     try:
         same = _same_vocabulary(path, student)
@@ -242,15 +242,18 @@ def _distill(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
                                    "log-prob of a sampled token id would score another token")
 
 
-def _frozen_engine_shape(cfg: DictConfig, key: str, path: str, hf: dict, what: str, whose: str
+def _frozen_engine_shape(cfg: DictConfig, key: str, path: str, hf: dict, whose: str, classifier: bool = False
                          ) -> Iterator[Violation]:
     """A frozen engine on ref.megatron's layout (the teacher, a colocated reward model): a bridge for its
-    architecture (a classifier's is its causal LM's) and a shape that layout splits."""
+    architecture (a `classifier`'s is its causal LM's; a teacher must be the causal LM itself) and a shape that
+    layout splits."""
     arch = (hf.get("architectures") or [None])[0]
     if cfg.model.bridge_backend == "mrl":
         from bridges.registry import architectures, causal_lm_architecture
 
-        if arch is None or causal_lm_architecture(arch) not in architectures():
+        bridged = causal_lm_architecture(arch) if classifier and arch is not None else arch
+        if bridged not in architectures():
+            what = "a sequence classifier" if classifier else "a causal LM"
             yield Violation(key, path, f"{what} with a bridge; its architecture {arch!r} has none (known: "
                                        f"{', '.join(architectures())})")
             return
