@@ -1,7 +1,7 @@
 """`PPOTrainer`: the driver of synchronous PPO/GRPO. `step()` reads top to bottom as the nine stages of a step
 (sample, reward, DP balance, old log-prob, reference log-prob, values, advantage, critic update, actor update;
-with distillation, teacher log-prob after the reference's), each under a named timer, then weight sync stamped
-with `global_steps`, validation and metrics.
+with distillation, teacher log-prob after the reference's; with colocated reward models, their scores right after
+sampling), each under a named timer, then weight sync stamped with `global_steps`, validation and metrics.
 
 Modes differ only in hooks (`on_sample_begin/end`, `sync_weights`, `on_step_end`): the async trainers subclass
 and override those, never `step()`. Hybrid replicas sleep after sampling and wake around the weight sync.

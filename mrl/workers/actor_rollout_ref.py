@@ -1,16 +1,18 @@
-"""`ActorRolloutRefWorker`: the actor (trained), the reference policy and a distillation teacher (frozen) and the
-handle of the rollout replicas, in one process per device slot.
+"""`ActorRolloutRefWorker`: the actor (trained), the reference policy, a distillation teacher and colocated reward
+models (frozen) and the handle of the rollout replicas, in one process per device slot.
 
 Group methods are dispatched by the actor engine's mesh (`nd_compute("actor")`): TP/PP ranks of one DP group get
 the same chunk, results come back from TP 0 of the last stage. Read-only calls (`compute_log_prob`,
-`compute_ref_log_prob`, `compute_teacher_log_prob`) accept dispatch padding; `update_actor` never does: the trainer
-sends counts that divide the DP size and the number of updates (no-op samples with an all-zero response mask).
+`compute_ref_log_prob`, `compute_teacher_log_prob`, `compute_reward_scores`) accept dispatch padding;
+`update_actor` never does: the trainer sends counts that divide the DP size and the number of updates (no-op
+samples with an all-zero response mask).
 
 Group methods receive the step's light batch (store keys and scalar columns, mrl/data/samples.py), fetch the
 per-token fields of their rows from the sample store by key, and write their per-token outputs (`old_log_probs`,
-`ref_log_prob`, `teacher_log_prob`, token-level `advantages`/`returns`) back under the same keys; only scalars
-return to the driver. Token fields are jagged and aligned with `input_ids` (prompt + response): `response_mask`
-(1 on model tokens), `rollout_log_probs`, …; log-prob t scores token t (DESIGN.md).
+`ref_log_prob`, `teacher_log_prob`, token-level `advantages`/`returns`; per sample, a colocated reward model's
+score) back under the same keys; only scalars return to the driver. Token fields are jagged and aligned with
+`input_ids` (prompt + response): `response_mask` (1 on model tokens), `rollout_log_probs`, …; log-prob t scores
+token t (DESIGN.md).
 """
 
 from __future__ import annotations
@@ -255,10 +257,10 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
         fetched = self.fetch(batch, ["input_ids"])
         ids = fetched.jagged_field("input_ids")
         last = ids.offsets[1:] - 1
-        outputs = to_engine_batch(fetched, ["input_ids"])
+        engine_batch = to_engine_batch(fetched, ["input_ids"])
         written = {}
         for name, model in self.reward_models.items():
-            scores = model.infer_batch(outputs)["scores"][last]
+            scores = model.infer_batch(engine_batch)["scores"][last]
             written[reward_score_field(name)] = JaggedTensor(scores, torch.arange(len(last) + 1))
         self.write(ACTOR_MESH, batch, written)
 
