@@ -58,6 +58,15 @@ def architectures() -> list[str]:
     return sorted(_BRIDGES)
 
 
+def causal_lm_architecture(arch: str) -> str:
+    """The causal LM whose bridge reads `arch`: a value model's folder (a trained critic, a token or sequence
+    classifier as reward model) is the causal LM's body under a score head."""
+    for head in ("ForTokenClassification", "ForSequenceClassification"):
+        if arch.endswith(head):
+            return arch.removesuffix(head) + "ForCausalLM"
+    return arch
+
+
 def bridge_for(hf_config: Any, *, backend: str = "mrl") -> Any:
     """The bridge of an HF config (by `architectures[0]`); `backend="megatron_bridge"` picks Megatron-Bridge."""
     if backend == "megatron_bridge":
@@ -73,9 +82,8 @@ def bridge_for(hf_config: Any, *, backend: str = "mrl") -> Any:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
         arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(hf_config, "model_type", ""))
-    if arch is not None and arch.endswith("ForTokenClassification"):
-        # A value model's folder (a trained critic, a reward model): the causal LM's body under a score head.
-        arch = arch.removesuffix("ForTokenClassification") + "ForCausalLM"
+    if arch is not None:
+        arch = causal_lm_architecture(arch)
     if arch not in _BRIDGES:
         raise KeyError(f"no bridge for HF architecture {arch!r}; known: {sorted(_BRIDGES)}")
     return _BRIDGES[arch](hf_config)

@@ -19,12 +19,14 @@ class RewardModelConfig:
     # Weight of this model's score in the sample's reward (added to reward.rule_weight × the rule reward).
     weight: float = 1.0
     # pool: devices or CPU workers of its own (discriminative: one Ray actor per model, an HF forward; generative:
-    # `num_replicas` rollout replicas in a standalone pool). colocated (on the trainer's devices, sleep/wake like
-    # the rollout) is not built yet and refused at start-up.
+    # `num_replicas` rollout replicas in a standalone pool). colocated (discriminative only, no rerender): a frozen
+    # Megatron engine in each actor worker on ref.megatron's layout, offloaded with the reference around generation,
+    # scored in the step once the trainer holds the devices (not in validation; no data.dynamic_sampling).
     placement: str = "pool"
     # CPUs of a discriminative model's pool worker (its torch threads).
     num_cpus: int = 1
-    # Token budget of one forward: samples sorted by length, each micro-batch's rows × longest row ≤ this.
+    # Token budget of one pool forward: samples sorted by length, each micro-batch's rows × longest row ≤ this (a
+    # colocated model's micro-batches are the reference's: ref.log_prob_micro_batch_size_per_gpu).
     max_tokens_per_micro_batch: int = 8192
     # Detokenize the policy's tokens and retokenize them with the reward model's tokenizer. Required when the two
     # tokenizers differ (start-up refuses the run otherwise); with equal tokenizers the policy's ids are scored as is.

@@ -4,7 +4,9 @@ plus each model's weight × its score.
 
 Score = the classifier's logit at the last real token, the position HF's own pooling takes (the last non-pad
 token), computed with a plain HF forward of the base model in right-padded, length-balanced micro-batches: padding
-and batching change no score beyond float rounding. Placement `pool`: each model in one CPU Ray actor of its own.
+and batching change no score beyond float rounding. Placement `pool`: each model in one CPU Ray actor of its own;
+`colocated`: a frozen Megatron engine in each actor worker (`MegatronRewardModel`, mrl/engine/megatron/critic.py),
+scored in the step once the trainer holds its devices (mrl/trainer/ppo_trainer.py `score_colocated`).
 A model whose tokenizer differs from the policy's scores a re-render (the policy's ids decoded, then encoded with
 its tokenizer); the start-up rule refuses that case unless `rerender` is set (mrl/config/startup/reward_rules.py).
 Generative judges (`kind: generative`, mrl/reward/judge.py) score the same samples as text; `RewardModels` runs both.
@@ -81,6 +83,11 @@ class SequenceClassifierScorer:
         return scores
 
 
+def reward_score_field(name: str) -> str:
+    """The sample-store field of a colocated model's score: one value per sample, written by the actor workers."""
+    return f"reward_score/{name}"
+
+
 def combine(rule_scores: Sequence[float], model_scores: Mapping[str, Sequence[float]], rule_weight: float,
             weights: Mapping[str, float]) -> list[float]:
     """Per sample: rule_weight × rule score + Σ weight[name] × model score."""
@@ -91,7 +98,7 @@ def combine(rule_scores: Sequence[float], model_scores: Mapping[str, Sequence[fl
 class RewardModels:
     """Every configured reward model: discriminative ones each in a CPU Ray actor of its own (placement `pool`),
     generative judges each on rollout replicas of its own (mrl/reward/judge.py); the models of one step score
-    concurrently."""
+    concurrently. Colocated ones only have their weight and name here (`colocated`): the actor workers score them."""
 
     def __init__(self, configs: Sequence[Any], policy_tokenizer: str,
                  judge_replicas: Mapping[str, Any] | None = None) -> None:
@@ -100,6 +107,8 @@ class RewardModels:
         import ray
 
         self.weights = {c.name: float(c.weight) for c in configs}
+        self.colocated = [c.name for c in configs if c.placement == "colocated"]
+        configs = [c for c in configs if c.placement != "colocated"]
         self.order = [c.name for c in configs]
         replicas = judge_replicas or {}  # judges first: their set-up may fail, and would leave the actors behind
         self.judges = {c.name: GenerativeJudge(c, replicas[c.name]) for c in configs if c.kind == "generative"}

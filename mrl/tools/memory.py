@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
@@ -147,21 +148,27 @@ def micro_batch_tokens(cfg: DictConfig) -> int:
     return (a.ppo_micro_batch_size_per_gpu or 1) * (cfg.data.max_prompt_length + cfg.data.max_response_length)
 
 
+def value_model_shape(shape: ModelShape) -> ModelShape:
+    """`shape` under HF's one-label score head ([hidden → 1] and its bias) instead of the vocabulary projection:
+    the critic, and a reward model (its classifier's folder counts a vocabulary projection it does not have)."""
+    return dataclasses.replace(shape, output_params=shape.hidden_size + 1)
+
+
 def estimate(cfg: DictConfig, shape: ModelShape, device_gib: float, rollout_overhead_gib: float,
-             teacher: ModelShape | None = None) -> MemoryEstimate:
-    """`teacher`: the distillation teacher's shape, which sits in the actor's processes on ref.megatron's layout."""
+             frozen: Mapping[str, ModelShape] | None = None) -> MemoryEstimate:
+    """`frozen`: {role: shape} of the forward-only engines beside the reference in the actor's processes, on
+    ref.megatron's layout (the distillation teacher, colocated reward models)."""
     world = cfg.resources.nnodes * cfg.resources.n_gpus_per_node
     tokens = micro_batch_tokens(cfg)
     est = MemoryEstimate(device_bytes=device_gib * GiB)
     est.training.append(engine_memory("actor", shape, cfg.actor.megatron, world, train=True, micro_tokens=tokens))
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         est.training.append(engine_memory("ref", shape, cfg.ref.megatron, world, train=False, micro_tokens=tokens))
-    if teacher is not None:
-        est.training.append(engine_memory("teacher", teacher, cfg.ref.megatron, world, train=False,
+    for role, frozen_shape in (frozen or {}).items():
+        est.training.append(engine_memory(role, frozen_shape, cfg.ref.megatron, world, train=False,
                                           micro_tokens=tokens))
     if cfg.critic.enable:
-        value_model = dataclasses.replace(shape, output_params=shape.hidden_size + 1)  # HF's score head, 1 label
-        est.training.append(engine_memory("critic", value_model, cfg.critic.megatron, world, train=True,
-                                          micro_tokens=tokens))
+        est.training.append(engine_memory("critic", value_model_shape(shape), cfg.critic.megatron, world,
+                                          train=True, micro_tokens=tokens))
     est.rollout = rollout_memory(shape, cfg, est.device_bytes, rollout_overhead_gib * GiB)
     return est

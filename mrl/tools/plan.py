@@ -27,7 +27,7 @@ from mrl.config.model_shape import ModelShape, resolve_model_config, shape_from_
 from mrl.config.placement import rollout_placement
 from mrl.config.startup import ConfigError, validate
 from mrl.config.startup.loader import load_config
-from mrl.tools.memory import GiB, MemoryEstimate, estimate
+from mrl.tools.memory import GiB, MemoryEstimate, estimate, value_model_shape
 
 # Above this share of device memory the caching allocator's fragmentation usually tips a run into OOM.
 _TIGHT_FRACTION = 0.9
@@ -165,7 +165,7 @@ def make_plan(recipe: str, overrides: list[str] | None = None, *, device_gib: fl
         problems += [f"config: {v}" for v in err.violations]
     shape = shape_from_config(config)
     acc = accounting(cfg, shape)
-    mem = estimate(cfg, shape, device_gib, rollout_overhead_gib, _teacher_shape(cfg, problems))
+    mem = estimate(cfg, shape, device_gib, rollout_overhead_gib, _frozen_shapes(cfg, problems))
     name = Path(cfg.model.path.rstrip("/")).name
     m = cfg.actor.megatron
     stages = stage_layers(shape.num_layers, m.pipeline_model_parallel_size,
@@ -176,16 +176,23 @@ def make_plan(recipe: str, overrides: list[str] | None = None, *, device_gib: fl
     return plan
 
 
-def _teacher_shape(cfg: DictConfig, problems: list[str]) -> ModelShape | None:
-    """The distillation teacher's shape (its folder's config.json, or a built-in shape named like it)."""
-    distill = cfg.algorithm.distill
-    if not distill.enable:
-        return None
-    try:
-        return shape_from_config(resolve_model_config(distill.teacher_path)[0])
-    except FileNotFoundError as err:
-        problems.append(f"algorithm.distill.teacher_path: {err}")
-        return None
+def _frozen_shapes(cfg: DictConfig, problems: list[str]) -> dict[str, ModelShape]:
+    """{role: shape} of the frozen engines beside the reference: the distillation teacher and each colocated reward
+    model `rm:<name>` (its folder's config.json, or a built-in shape named like it; a reward model under its score
+    head)."""
+    d = cfg.algorithm.distill
+    folders = [("teacher", "algorithm.distill.teacher_path", d.teacher_path, False)] if d.enable else []
+    folders += [(f"rm:{m.name}", f"reward.models[{k}].path", m.path, True)
+                for k, m in enumerate(cfg.reward.models) if m.placement == "colocated"]
+    shapes = {}
+    for role, setting, path, classifier in folders:
+        try:
+            shape = shape_from_config(resolve_model_config(path)[0])
+        except FileNotFoundError as err:
+            problems.append(f"{setting}: {err}")
+            continue
+        shapes[role] = value_model_shape(shape) if classifier else shape
+    return shapes
 
 
 def _per_replica(a: Accounting) -> str:
@@ -239,9 +246,10 @@ def render(plan: Plan) -> str:
         f"{a.weight_sync_bytes / GiB:.1f} GiB in {a.weight_sync_buckets} buckets)",
         f"memory per device ({mem.device_bytes / GiB:.0f} GiB device)",
     ]
+    width = max([7, *(len(e.role) for e in mem.training)])  # a reward model's role carries its name
     for e in mem.training:
-        lines.append(f"  {e.role:7s} params {_gib(e.params)}  grads {_gib(e.grads)}  optimizer {_gib(e.optimizer)}"
-                     f"  activations {_gib(e.activations)}  = {_gib(e.total)}")
+        lines.append(f"  {e.role:{width}s} params {_gib(e.params)}  grads {_gib(e.grads)}  "
+                     f"optimizer {_gib(e.optimizer)}  activations {_gib(e.activations)}  = {_gib(e.total)}")
     lines.append(f"  training phase total                {_gib(mem.training_total)}")
     if (r := mem.rollout) is not None:
         lines.append(f"  rollout reserve {_gib(r.reserved)}: weights {_gib(r.weights)}, runtime {_gib(r.overhead)},"

@@ -1,7 +1,7 @@
 """`PPOTrainer`: the driver of synchronous PPO/GRPO. `step()` reads top to bottom as the nine stages of a step
 (sample, reward, DP balance, old log-prob, reference log-prob, values, advantage, critic update, actor update;
-with distillation, teacher log-prob after the reference's), each under a named timer, then weight sync stamped
-with `global_steps`, validation and metrics.
+with distillation, teacher log-prob after the reference's; with colocated reward models, their scores right after
+sampling), each under a named timer, then weight sync stamped with `global_steps`, validation and metrics.
 
 Modes differ only in hooks (`on_sample_begin/end`, `sync_weights`, `on_step_end`): the async trainers subclass
 and override those, never `step()`. Hybrid replicas sleep after sampling and wake around the weight sync.
@@ -33,7 +33,7 @@ from mrl.data.samples import light_batch, put_noop_payloads
 from mrl.reward.errors import RewardErrors
 from mrl.reward.evaluator import RewardEvaluator, RewardItem
 from mrl.reward.judge import JudgeInput, prompt_text
-from mrl.reward.models import RewardModels, combine
+from mrl.reward.models import RewardModels, combine, reward_score_field
 from mrl.trainer import batching, checkpointing
 from mrl.trainer.metrics import (
     ModelFlops,
@@ -129,6 +129,9 @@ class PPOTrainer:
         self.on_sample_end()  # hybrid: the devices go to the trainer (timed as handover/*)
         if not trajectories:
             return self.skip_step(step_start, reward_errors)
+        if self.parts.reward_models is not None and self.parts.reward_models.colocated:
+            with t("reward_colocated"):
+                self.score_colocated(trajectories)
         batch = self.to_training_batch(trajectories)  # store keys + scalar columns
         with t("balance"):
             batch = self.balance(batch)
@@ -296,7 +299,7 @@ class PPOTrainer:
             model_scores = self.score_with_models(trajectories)
             results = future.result()
         self.reward_errors.record(items, results)  # failures score 0: counted per data source, not dropped
-        if model_scores:
+        if self.parts.reward_models is not None:  # rule_weight applies even when only colocated models add later
             rule = [r.score for r in results]
             totals = combine(rule, model_scores, self.config.reward.rule_weight, self.parts.reward_models.weights)
             for k, (traj, total) in enumerate(zip(trajectories, totals)):
@@ -317,6 +320,21 @@ class PPOTrainer:
         texts = [JudgeInput(prompt_text(t["messages"]), t["response_text"],
                             "" if t["ground_truth"] is None else str(t["ground_truth"])) for t in trajectories]
         return models.score(sequences, texts)
+
+    def score_colocated(self, trajectories: list[dict[str, Any]]) -> None:
+        """Add each colocated reward model's weighted score to the step's rewards and parts. They run in the actor
+        workers, so only once the trainer holds its devices (after sampling): the sum is the one `combine` makes,
+        in two parts. Validation's scores leave them out (its samples are scored while the rollout has the
+        devices)."""
+        models = self.parts.reward_models
+        keys = [t["key"] for t in trajectories]
+        self.parts.actor_rollout.compute_reward_scores(light_batch(trajectories))
+        fields = [reward_score_field(name) for name in models.colocated]
+        stored = self.store.get_jagged(keys, fields)
+        for name, field in zip(models.colocated, fields):
+            for traj, score in zip(trajectories, stored[field].values.tolist()):
+                traj["score"] += models.weights[name] * score
+                traj["reward_parts"][name] = score
 
     def to_training_batch(self, trajectories: list[dict[str, Any]]) -> Batch:
         """The step's light batch (store keys and scalar columns). No-op samples make the count divisible by

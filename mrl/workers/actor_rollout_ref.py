@@ -1,16 +1,18 @@
-"""`ActorRolloutRefWorker`: the actor (trained), the reference policy and a distillation teacher (frozen) and the
-handle of the rollout replicas, in one process per device slot.
+"""`ActorRolloutRefWorker`: the actor (trained), the reference policy, a distillation teacher and colocated reward
+models (frozen) and the handle of the rollout replicas, in one process per device slot.
 
 Group methods are dispatched by the actor engine's mesh (`nd_compute("actor")`): TP/PP ranks of one DP group get
 the same chunk, results come back from TP 0 of the last stage. Read-only calls (`compute_log_prob`,
-`compute_ref_log_prob`, `compute_teacher_log_prob`) accept dispatch padding; `update_actor` never does: the trainer
-sends counts that divide the DP size and the number of updates (no-op samples with an all-zero response mask).
+`compute_ref_log_prob`, `compute_teacher_log_prob`, `compute_reward_scores`) accept dispatch padding;
+`update_actor` never does: the trainer sends counts that divide the DP size and the number of updates (no-op
+samples with an all-zero response mask).
 
 Group methods receive the step's light batch (store keys and scalar columns, mrl/data/samples.py), fetch the
 per-token fields of their rows from the sample store by key, and write their per-token outputs (`old_log_probs`,
-`ref_log_prob`, `teacher_log_prob`, token-level `advantages`/`returns`) back under the same keys; only scalars
-return to the driver. Token fields are jagged and aligned with `input_ids` (prompt + response): `response_mask`
-(1 on model tokens), `rollout_log_probs`, …; log-prob t scores token t (DESIGN.md).
+`ref_log_prob`, `teacher_log_prob`, token-level `advantages`/`returns`; per sample, a colocated reward model's
+score) back under the same keys; only scalars return to the driver. Token fields are jagged and aligned with
+`input_ids` (prompt + response): `response_mask` (1 on model tokens), `rollout_log_probs`, …; log-prob t scores
+token t (DESIGN.md).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from mrl.data.batch import Batch
 from mrl.data.jagged import JaggedTensor
 from mrl.data.samples import write_back
 from mrl.engine.megatron.routing import routing_metrics
+from mrl.reward.models import reward_score_field
 from mrl.utils.phase_memory import phase_memory, tracks_memory
 from mrl.workers.cpu_threads import worker_threads
 from mrl.workers.token_level import (
@@ -52,6 +55,11 @@ from mrl.workers.training_worker import (
 
 ACTOR_MESH = "actor"
 POLICY_LOSS_NAMES = {"ppo_clip": "vanilla"}  # config name → algorithm library name (others pass through)
+
+
+def colocated_reward_models(config: MrlConfig) -> list[Any]:
+    """reward.models placed `colocated`: frozen engines in these workers (discriminative only, start-up rule)."""
+    return [m for m in config.reward.models if m.placement == "colocated"]
 
 
 def actor_loss_config(config: MrlConfig) -> ActorLossConfig:
@@ -104,6 +112,7 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
         self.actor: TrainingWorker | None = None
         self.ref: TrainingWorker | None = None
         self.teacher: TrainingWorker | None = None  # algorithm.distill: frozen, like the reference
+        self.reward_models: dict[str, TrainingWorker] = {}  # reward.models placed colocated: frozen too, by name
         self.rollout: Any = None
         self._adapter_folders: Any = None  # actor.lora.sync=adapter: the PEFT folders per version (rank 0)
         loss_config = actor_loss_config(config)
@@ -111,9 +120,10 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
         self.loss_fn = make_actor_loss_fn(loss_config)
         self.on_policy_loss_fn = make_actor_loss_fn(loss_config, on_policy=True)
 
-    def _engine(self, role: str) -> Any:
+    def _engine(self, role: str, path: str | None = None, engine_class: type | None = None) -> Any:
         """The engine of `role`: the actor (trained), or a frozen, forward-only one on ref.megatron's layout: the
-        reference (model.path) or the distillation teacher (algorithm.distill.teacher_path)."""
+        reference (model.path), the distillation teacher (algorithm.distill.teacher_path) or a colocated reward
+        model (`path`, a `MegatronRewardModel`)."""
         from mrl.engine.megatron.engine import MegatronEngine
 
         c = self.config
@@ -121,11 +131,11 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
         micro = c.actor.ppo_micro_batch_size_per_gpu if trainable else c.ref.log_prob_micro_batch_size_per_gpu
         dynamic = c.actor.use_dynamic_bsz
         # The reference replays the rollout's routing under R3 too: it takes the actor's router_replay. A teacher's
-        # experts are not the student's: it routes by itself.
+        # or reward model's experts are not the student's: it routes by itself.
         replay = c.actor.megatron.router_replay if role == "ref" else "none"
         megatron = c.actor.megatron if trainable else dataclasses.replace(c.ref.megatron, router_replay=replay)
-        engine = MegatronEngine(
-            c.algorithm.distill.teacher_path if role == "teacher" else c.model.path,
+        engine = (engine_class or MegatronEngine)(
+            path or (c.algorithm.distill.teacher_path if role == "teacher" else c.model.path),
             megatron,
             c.actor.optim if trainable else None,
             micro_batch_size=None if dynamic else micro,
@@ -148,6 +158,10 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
             self.ref = TrainingWorker(self._engine("ref"))
         if self.config.algorithm.distill.enable:
             self.teacher = TrainingWorker(self._engine("teacher"))
+        from mrl.engine.megatron.critic import MegatronRewardModel
+
+        self.reward_models = {m.name: TrainingWorker(self._engine("reward", m.path, MegatronRewardModel))
+                              for m in colocated_reward_models(self.config)}
         self.register_mesh(ACTOR_MESH, self.actor.engine.mesh())
 
     @property
@@ -234,6 +248,21 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
         fetched = self.fetch(batch, ["input_ids"])
         fetched["teacher_log_prob"] = self._infer(self.teacher, fetched)["log_probs"]
         self.write(ACTOR_MESH, batch, {"teacher_log_prob": fetched.jagged_field("teacher_log_prob")})
+
+    @register(nd_compute(ACTOR_MESH), pad=True)
+    @tracks_memory("reward_models")
+    def compute_reward_scores(self, batch: Batch) -> None:
+        """Each colocated reward model's score of every sample (its output at the sample's last token, as the pool's
+        HF forward reads it) into the store as `reward_score_field(name)`: one value per sample."""
+        fetched = self.fetch(batch, ["input_ids"])
+        ids = fetched.jagged_field("input_ids")
+        last = ids.offsets[1:] - 1
+        engine_batch = to_engine_batch(fetched, ["input_ids"])
+        written = {}
+        for name, model in self.reward_models.items():
+            scores = model.infer_batch(engine_batch)["scores"][last]
+            written[reward_score_field(name)] = JaggedTensor(scores, torch.arange(len(last) + 1))
+        self.write(ACTOR_MESH, batch, written)
 
     @register(nd_compute(ACTOR_MESH))
     def compute_distill_advantages(self, batch: Batch) -> dict[str, float]:
@@ -390,7 +419,8 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
 
     def training_roles(self) -> list[tuple[TrainingWorker, Any]]:
         roles = [(self.actor, self.config.actor.megatron), (self.ref, self.config.ref.megatron),
-                 (self.teacher, self.config.ref.megatron)]
+                 (self.teacher, self.config.ref.megatron),
+                 *((rm, self.config.ref.megatron) for rm in self.reward_models.values())]
         return [(role, m) for role, m in roles if role is not None]
 
     @register(Dispatch.ONE_TO_ALL)

@@ -7,6 +7,9 @@
   token-classification model's).
 - From a `Qwen3ForTokenClassification` folder (tied embeddings, a trained-looking score head with a bias) the head
   is read from `score.*`.
+- A sequence classifier's folder (`Qwen3ForSequenceClassification`, one label: a reward model) built as the frozen
+  `MegatronRewardModel` at TP=2 with sequence parallelism (forward-only: no trainable parameter) scores each sample
+  as HF's classifier does: its output at the last token, unshifted, within 1e-5.
 - One update's loss is the critic's own `critic.loss_agg_mode` (seq-mean-token-mean here) of ½(V − R)², and a TP=2
   critic trains exactly like the TP=1 one (losses, grad norms); its checkpoint, loaded at TP=1, gives its values.
 """
@@ -51,7 +54,7 @@ def build(path: str, layout: dict):
     return critic
 
 
-def run(rank: int, world: int, causal: str, scored: str, ckpt: str) -> dict:
+def run(rank: int, world: int, causal: str, scored: str, ckpt: str, classifier: str) -> dict:
     from mrl.engine.megatron.packing import JaggedBatch
     from mrl.engine.megatron.parallel import teardown
     from mrl.workers.critic import make_value_loss_fn
@@ -84,6 +87,13 @@ def run(rank: int, world: int, causal: str, scored: str, ckpt: str) -> dict:
         resumed.load_checkpoint(ckpt)
         out["resumed_values"] = resumed.infer(batch)["values"]
         out["scored_tp2"] = build(scored, LAYOUTS["tp2_sp"]).infer(batch)["values"]
+        from mrl.config.schema import MegatronConfig
+        from mrl.engine.megatron.critic import MegatronRewardModel
+
+        rm = MegatronRewardModel(classifier, MegatronConfig(**LAYOUTS["tp2_sp"]), None, micro_batch_size=2)
+        rm.initialize()
+        out["rm_scores"] = rm.infer(batch)["scores"][batch.offsets[1:] - 1]
+        out["rm_trainable"] = rm.state_sizes()["trainable_params"]
     finally:
         teardown()
     return out
@@ -99,7 +109,7 @@ def hf_values(model) -> torch.Tensor:
     return torch.cat(expected)
 
 
-def make_scored_folder(path) -> str:
+def make_scored_folder(path, auto_class=None) -> str:
     from transformers import AutoModelForTokenClassification
 
     from mrl.models.tiny import tiny_hf_config
@@ -107,7 +117,7 @@ def make_scored_folder(path) -> str:
     config = tiny_hf_config("qwen3", VOCAB, tie_word_embeddings=True, num_labels=1)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(7)
-        model = AutoModelForTokenClassification.from_config(config, dtype=torch.float32)
+        model = (auto_class or AutoModelForTokenClassification).from_config(config, dtype=torch.float32)
         for p in model.parameters():
             p.data.normal_(0.0, 0.1)
     model.save_pretrained(path)
@@ -115,13 +125,14 @@ def make_scored_folder(path) -> str:
 
 
 def test_critic_values_match_hf_token_classification_at_tp1_and_tp2(tmp_path):
-    from transformers import AutoModelForTokenClassification
+    from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
 
     from mrl.models.tiny import make_tiny_hf_model
 
     causal = str(make_tiny_hf_model("qwen3", tmp_path / "model", tokenizer=False, vocab_size=VOCAB))
     scored = make_scored_folder(tmp_path / "scored")
-    results = launch(run, 2, causal, scored, str(tmp_path / "ckpt"), timeout_s=600)
+    classifier = make_scored_folder(tmp_path / "classifier", AutoModelForSequenceClassification)
+    results = launch(run, 2, causal, scored, str(tmp_path / "ckpt"), classifier, timeout_s=600)
 
     hf = AutoModelForTokenClassification.from_pretrained(causal, num_labels=1).eval()
     head = results[0]["tp1"]["head"]
@@ -157,3 +168,10 @@ def test_critic_values_match_hf_token_classification_at_tp1_and_tp2(tmp_path):
     scored_hf = AutoModelForTokenClassification.from_pretrained(scored).eval()
     assert scored_hf.score.bias.abs().item() > 0
     torch.testing.assert_close(results[0]["scored_tp2"], hf_values(scored_hf), atol=1e-5, rtol=1e-5)
+
+    rm = AutoModelForSequenceClassification.from_pretrained(classifier).eval()
+    with torch.no_grad():
+        want = torch.tensor([rm(input_ids=s["input_ids"][None]).logits[0, 0].item() for s in samples()])
+    for rank in range(2):
+        torch.testing.assert_close(results[rank]["rm_scores"], want, atol=1e-5, rtol=1e-5)
+        assert results[rank]["rm_trainable"] == 0  # frozen: no gradient buffer, no optimizer state

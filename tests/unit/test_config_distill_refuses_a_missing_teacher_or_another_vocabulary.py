@@ -29,6 +29,8 @@ def folders(tmp_path_factory):
                        num_attention_heads=3, num_key_value_heads=1)
     (root / "gpt").mkdir()
     (root / "gpt" / "config.json").write_text(json.dumps({"architectures": ["GPTBigCodeForCausalLM"]}))
+    (root / "classifier").mkdir()  # a reward model's architecture: its causal LM has a bridge, but it has no lm_head
+    (root / "classifier" / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForSequenceClassification"]}))
     return {p.name: str(p) for p in root.iterdir()}
 
 
@@ -65,6 +67,7 @@ def test_a_teacher_with_another_vocabulary_or_none_to_compare_is_refused(folders
 
 def test_a_teacher_without_a_bridge_or_whose_heads_tp_cannot_split_is_refused(folders):
     assert "'GPTBigCodeForCausalLM' has none" in refused(folders, "gpt")[TEACHER]
+    assert "a causal LM with a bridge" in refused(folders, "classifier")[TEACHER]
     split = refused(folders, "three_heads", resources__n_gpus_per_node=2,
                     actor__megatron__tensor_model_parallel_size=2, ref__megatron__tensor_model_parallel_size=2)
     assert list(split) == ["ref.megatron.tensor_model_parallel_size"]

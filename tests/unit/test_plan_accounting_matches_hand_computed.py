@@ -156,3 +156,19 @@ def test_a_distillation_teacher_counts_as_a_frozen_engine_on_the_references_layo
     assert next(e.params for e in bigger.memory.training if e.role == "teacher") > 3 * teacher.params
     unknown = make_plan("qwen3/8b_grpo", [*base, "algorithm.distill.teacher_path=/ckpt/no-such-model"])
     assert any(p.startswith("algorithm.distill.teacher_path: no config.json") for p in unknown.problems)
+
+
+def test_a_colocated_reward_model_counts_as_a_frozen_value_model_on_the_references_layout():
+    p = _qwen3_8b_params()
+    base = [*SEED_DEFAULTS, "rollout.n=1", "actor.use_kl_loss=false", "ref.megatron.tensor_model_parallel_size=2",
+            "ref.megatron.params_dtype=bfloat16"]
+    rm = "reward.models=[{name:helpful,path:/ckpt/Qwen3-8B,placement:colocated}]"
+    plan = make_plan("qwen3/8b_grpo", [*base, rm])
+    model = next(e for e in plan.memory.training if e.role == "rm:helpful")
+    assert model.params == pytest.approx(2 * (p["layers"] + p["embedding"] + 4096 + 1) / 2)  # score head, bf16/TP 2
+    assert model.grads == model.optimizer == model.activations == 0  # forward-only
+    assert [e.role for e in plan.memory.training] == ["actor", "rm:helpful"]
+    pooled = make_plan("qwen3/8b_grpo", [*base, rm.replace("colocated", "pool")])
+    assert [e.role for e in pooled.memory.training] == ["actor"]  # a pool's model is not on the trainer's devices
+    unknown = make_plan("qwen3/8b_grpo", [*base, rm.replace("/ckpt/Qwen3-8B", "/ckpt/no-such-model")])
+    assert any(p.startswith("reward.models[0].path: no config.json") for p in unknown.problems)

@@ -58,15 +58,17 @@ def _engine_knobs(cfg: DictConfig, _: bool) -> Iterator[Violation]:
             yield Violation(f"{m}.sequence_parallel", True, "sequence parallel splits activations over TP ranks: "
                                                             "it needs tensor_model_parallel_size > 1")
     kl = _get(cfg, "actor.use_kl_loss") or _get(cfg, "algorithm.use_kl_in_reward")
-    if (kl and not _get(cfg, "actor.lora.enable")) or _get(cfg, "algorithm.distill.enable"):
-        # The reference engine and the distillation teacher (on ref.megatron) live in the actor's processes, and
-        # Megatron's parallel state is per process. (LoRA builds no reference: the actor with its adapters off.)
+    colocated = any(m.placement == "colocated" for m in _get(cfg, "reward.models") or [])
+    if (kl and not _get(cfg, "actor.lora.enable")) or _get(cfg, "algorithm.distill.enable") or colocated:
+        # The reference engine, the distillation teacher and colocated reward models (on ref.megatron) live in the
+        # actor's processes, and Megatron's parallel state is per process. (LoRA builds no reference: the actor
+        # with its adapters off.)
         for key in (*PARALLEL_SIZES, "virtual_pipeline_model_parallel_size", "expert_tensor_parallel_size"):
             ref, actor = _get(cfg, f"ref.megatron.{key}"), _get(cfg, f"actor.megatron.{key}")
             if ref != actor:
-                yield Violation(f"ref.megatron.{key}", ref, f"the reference policy (and a distillation teacher) "
-                                                           f"shares the actor's processes and parallel layout: set "
-                                                           f"it to the actor's ({actor})")
+                yield Violation(f"ref.megatron.{key}", ref, f"the reference policy (and a distillation teacher, a "
+                                                           f"colocated reward model) shares the actor's processes "
+                                                           f"and parallel layout: set it to the actor's ({actor})")
     if not _get(cfg, "actor.use_dynamic_bsz"):
         micro = _get(cfg, "actor.ppo_micro_batch_size_per_gpu")
         if micro is None or micro < 1:

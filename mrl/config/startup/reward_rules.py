@@ -1,7 +1,8 @@
 """Start-up rules on the reward: `reward.reward_fn` names a function that loads, and with "auto" every data_source
 of the data files has a registered one (an unknown source once fell back to math scoring: a run of silent zeros);
-each of `reward.models` is placed in a pool; a discriminative one is a one-label sequence classifier sharing the
-policy's tokenizer unless a re-render is configured; a generative judge has a template, parser and fallback that
+each of `reward.models` is placed in a pool, or colocated (discriminative, no re-render, a bridge and a shape that
+fits ref.megatron); a discriminative one is a one-label sequence classifier sharing the policy's tokenizer unless a
+re-render is configured; a generative judge has a template, parser and fallback that
 mrl/reward/judge.py accepts and a readable folder; an `algorithm.distill` teacher is a causal LM that fits its
 layout and shares the student's tokenizer.
 
@@ -52,7 +53,7 @@ def _reward_sources(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
 
 @rule
 def _reward_models(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
-    """Each of `reward.models`: a unique name, placement `pool` (colocated is not built yet), and with the files
+    """Each of `reward.models`: a unique name, placement `pool` or `colocated` (`_colocated`), and with the files
     here a one-label `...ForSequenceClassification` folder whose tokenizer is the policy's unless `rerender` is set
     (the policy's ids would be read as other tokens: wrong scores, no error)."""
     names = [str(m.name) for m in cfg.reward.models]
@@ -61,10 +62,11 @@ def _reward_models(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
         if not m.name or m.name == "rule" or names.count(m.name) > 1:
             yield Violation(f"{key}.name", m.name, "a unique, non-empty name other than 'rule' (the rule reward's part "
                                                    "in reward/<name>/mean)")
-        if m.placement != "pool":
-            yield Violation(f"{key}.placement", m.placement, "'pool' (CPU workers of its own); 'colocated' on "
-                                                            "the trainer's devices is not built yet "
-                                                            "(docs/reward_models.md)")
+        if m.placement not in ("pool", "colocated"):
+            yield Violation(f"{key}.placement", m.placement, "'pool' (workers of its own) or 'colocated' (a frozen "
+                                                            "engine in the actor workers; docs/reward_models.md)")
+        elif m.placement == "colocated":
+            yield from _colocated(cfg, key, m, check_paths)
         if m.num_cpus < 1 or m.max_tokens_per_micro_batch < 1:
             yield Violation(key, f"num_cpus={m.num_cpus}, max_tokens_per_micro_batch={m.max_tokens_per_micro_batch}",
                             "both at least 1")
@@ -77,6 +79,35 @@ def _reward_models(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
                                                    "LLM judge)")
         elif check_paths:
             yield from _reward_model_folder(key, m, str(cfg.model.tokenizer_path or cfg.model.path))
+
+
+def _colocated(cfg: DictConfig, key: str, m: DictConfig, check_paths: bool) -> Iterator[Violation]:
+    """A colocated model is a frozen Megatron engine in the actor workers, on ref.megatron's layout, scored in the
+    step once the trainer holds the devices: a sequence classifier of the policy's ids, no re-render (the engine
+    reads the policy's ids from the store), no dynamic sampling (its filter reads rewards before the devices come
+    back), an architecture with a bridge and a shape ref.megatron splits."""
+    why = "with placement=colocated (a frozen Megatron engine in the actor workers)"
+    if m.kind == "generative":
+        yield Violation(f"{key}.placement", m.placement, "'pool' for kind=generative: a judge generates on rollout "
+                                                         "replicas of its own; colocated is for discriminative models")
+        return
+    if m.rerender:
+        yield Violation(f"{key}.rerender", True, f"false {why}: it scores the policy's token ids as they are, so its "
+                                                 "tokenizer must be the policy's; a re-rendering model needs "
+                                                 "placement=pool")
+    if _get(cfg, "data.dynamic_sampling"):
+        yield Violation("data.dynamic_sampling", True, f"false {why}: its score exists only after sampling, when the "
+                                                       f"trainer holds the devices, but dynamic sampling filters "
+                                                       f"groups by reward during sampling ({key}; or placement=pool)")
+    if not check_paths:
+        return
+    try:
+        with open(os.path.join(str(m.path), "config.json")) as f:
+            hf = json.load(f)
+    except (OSError, ValueError):
+        return  # the folder rule says so
+    yield from _frozen_engine_shape(cfg, f"{key}.path", str(m.path), hf, f"the reward model {m.name}",
+                                    classifier=True)
 
 
 def _judge_settings(key: str, m: DictConfig) -> Iterator[Violation]:
@@ -198,7 +229,7 @@ def _distill(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
         return
     with open(config_file) as f:
         hf = json.load(f)
-    yield from _teacher_shape(cfg, path, hf)
+    yield from _frozen_engine_shape(cfg, key, path, hf, "the teacher")
     student = str(cfg.model.tokenizer_path or cfg.model.path)
     try:
         same = _same_vocabulary(path, student)
@@ -211,14 +242,19 @@ def _distill(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
                                    "log-prob of a sampled token id would score another token")
 
 
-def _teacher_shape(cfg: DictConfig, path: str, hf: dict) -> Iterator[Violation]:
+def _frozen_engine_shape(cfg: DictConfig, key: str, path: str, hf: dict, whose: str, classifier: bool = False
+                         ) -> Iterator[Violation]:
+    """A frozen engine on ref.megatron's layout (the teacher, a colocated reward model): a bridge for its
+    architecture (a `classifier`'s is its causal LM's; a teacher must be the causal LM itself) and a shape that
+    layout splits."""
     arch = (hf.get("architectures") or [None])[0]
     if cfg.model.bridge_backend == "mrl":
-        from bridges.registry import architectures
+        from bridges.registry import architectures, causal_lm_architecture
 
-        if arch not in architectures():
-            yield Violation("algorithm.distill.teacher_path", path, f"a causal LM with a bridge; its architecture "
-                                                                    f"{arch!r} has none (known: "
-                                                                    f"{', '.join(architectures())})")
+        bridged = causal_lm_architecture(arch) if classifier and arch is not None else arch
+        if bridged not in architectures():
+            what = "a sequence classifier" if classifier else "a causal LM"
+            yield Violation(key, path, f"{what} with a bridge; its architecture {arch!r} has none (known: "
+                                       f"{', '.join(architectures())})")
             return
-    yield from role_shape_violations(cfg, "ref", hf, whose=f"the teacher ({path}): ")
+    yield from role_shape_violations(cfg, "ref", hf, whose=f"{whose} ({path}): ")

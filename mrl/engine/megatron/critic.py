@@ -97,3 +97,21 @@ class MegatronCritic(MegatronEngine):
 
     def export_weights(self, tp_slices: bool = False, row_blocks: bool = False):
         raise NotImplementedError("a critic's weights are not synced to rollout engines")
+
+
+class MegatronRewardModel(MegatronCritic):
+    """A discriminative reward model (`...ForSequenceClassification`, one label) as a frozen value engine: its
+    `score.weight` is the value head's tensor, read from the folder (the bridge maps a classifier's architecture to
+    its causal LM's). `infer` returns {"scores"}: per position, not per token; a sample's score is the one at its
+    last position.
+
+    The critic's token alignment puts the output of position t under token t+1, so the last real token's own output
+    falls off its sample. A reward model's score is exactly that output (HF pools the last non-pad position), so this
+    engine skips the shift rather than scoring one extra appended token: same forward, no extra column, and causal
+    attention makes position t's output depend on tokens 0..t only, which is what HF's classifier computes."""
+
+    def _token_outputs(self, mb: PackedMicroBatch, output: Any) -> dict[str, Tensor]:
+        return {"scores": mb.unpack(output[0])}
+
+    def _output_keys(self, entropy: bool) -> list[str]:
+        return ["scores"]
