@@ -48,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(multi-turn; mrl/rollout/agent_loop/tool_task.py)")
     parser.add_argument("--tool-share", type=float, default=0.5,
                         help="--task tool: share of warm-up examples that call the tool (the rest answer directly)")
+    parser.add_argument("--reward-model", default="none", choices=["none", "colocated", "pool"],
+                        help="--task reverse: train a reward model on the spot (mrl/data/reverse_reward_model.py) and "
+                             "run GRPO against it alone (reward.rule_weight 0), placed so; held-out accuracy stays "
+                             "the exact-match rule's")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for recipes/tiny/grpo.yaml")
 
 
@@ -102,6 +106,24 @@ def grpo(label: str, paths: dict[str, Any], args: argparse.Namespace, lr: float 
     return train(cfg)[0]  # the start-up reports its stages with their seconds
 
 
+def learned_reward(out: Path, paths: dict[str, Any], args: argparse.Namespace) -> dict[str, float]:
+    """Train the task's reward model and make the runs use it alone (the rule still scores held-out accuracy)."""
+    from transformers import AutoTokenizer
+
+    from mrl.data.datasets import read_rows
+    from mrl.data.reverse_reward_model import train_reward_model
+
+    tokenizer = AutoTokenizer.from_pretrained(paths["model"])
+    report = train_reward_model(tokenizer, read_rows(paths["train"]), read_rows(paths["val"]), paths["model"],
+                                out / "reward_model", seed=args.seed)
+    print(f"reward model: held-out pairwise accuracy {report['rm_val_pairwise_acc']:.3f} after "
+          f"{report['rm_steps']} steps ({report['rm_seconds']:.0f} s)", flush=True)
+    paths["overrides"] = [*paths.get("overrides", []), "reward.rule_weight=0",
+                          f"reward.models=[{{name:rm,path:'{out / 'reward_model'}',weight:1.0,"
+                          f"placement:{args.reward_model}}}]"]
+    return report
+
+
 def accuracy_curve(history: list[dict[str, Any]]) -> list[tuple[int, float]]:
     return [(h["step"], h["val/greedy_acc"]) for h in history if "val/greedy_acc" in h]
 
@@ -128,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         fill_defaults(args, REVERSE_DEFAULTS)
         paths = prepare(out, args.length, args.warmup_steps, args.seed)
+        if args.reward_model != "none":
+            paths["warmup"].update(learned_reward(out, paths, args))
     print("warm-up:", json.dumps(paths["warmup"]), flush=True)
     init_ray(num_cpus=args.num_cpus, verbose=getattr(args, "verbose", False))
     summary: dict[str, Any] = {"warmup": paths["warmup"], "runs": {}}

@@ -263,3 +263,10 @@ def reward_part_metrics(trajectories: list[dict[str, Any]]) -> dict[str, float]:
     names = trajectories[0].get("reward_parts", {}) if trajectories else {}
     return {f"reward/{name}/mean": sum(t["reward_parts"][name] for t in trajectories) / len(trajectories)
             for name in names}
+
+
+def held_out_accuracy(trajectories: list[dict[str, Any]]) -> float:
+    """Share of (greedy) trajectories the rule reward passes (score > 0): the verifiable check decides, whatever
+    reward models add and whatever weight `reward.rule_weight` gives the rule in the training reward."""
+    passed = sum(t.get("reward_parts", {}).get("rule", t["score"]) > 0 for t in trajectories)
+    return passed / len(trajectories)

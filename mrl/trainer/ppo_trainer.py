@@ -40,6 +40,7 @@ from mrl.trainer.metrics import (
     RunLogger,
     StageTimer,
     agent_loop_metrics,
+    held_out_accuracy,
     perf_metrics,
     reward_part_metrics,
     staleness_metrics,
@@ -450,7 +451,7 @@ class PPOTrainer:
         prompts = list(val.rows)
         size = c.data.val_batch_size or len(prompts)
         greedy = self.generate_scored(prompts, 1, {**self.sampling(train=False), "temperature": 0.0}, size)
-        metrics = {"val/greedy_acc": sum(t["score"] > 0 for t in greedy) / len(greedy)}
+        metrics = {"val/greedy_acc": held_out_accuracy(greedy)}
         if c.rollout.agent_loop != "single_turn":
             metrics.update(agent_loop_metrics(greedy, prefix="val"))
         k = c.trainer.val_pass_k

@@ -1,5 +1,6 @@
 """The trainer's reward stage adds each reward model's weighted score of the sample's token ids to the weighted rule
-reward, and logs every part as reward/<name>/mean."""
+reward, and logs every part as reward/<name>/mean; held-out accuracy counts the rule's verdict, not the sum (a
+reward model's positive score on a wrong answer does not make it correct)."""
 
 from types import SimpleNamespace
 
@@ -9,7 +10,7 @@ import torch
 from mrl.data.jagged import JaggedTensor
 from mrl.reward.errors import RewardErrors
 from mrl.reward.evaluator import RewardEvaluator
-from mrl.trainer.metrics import reward_part_metrics
+from mrl.trainer.metrics import held_out_accuracy, reward_part_metrics
 from mrl.trainer.ppo_trainer import PPOTrainer
 
 
@@ -49,3 +50,13 @@ def test_scores_combine_by_weight_and_parts_are_logged():
     assert [t["score"] for t in trajectories] == pytest.approx([2.0 * 1 + 0.5 * 3, 2.0 * 0 + 0.5 * 5])
     assert trajectories[1]["reward_parts"] == {"rule": 0.0, "len": 5.0}
     assert reward_part_metrics(trajectories) == {"reward/rule/mean": 0.5, "reward/len/mean": 4.0}
+    # "b" is wrong (rule 0) yet scores 2.5 in total: it does not count as correct
+    assert trajectories[1]["score"] > 0 and held_out_accuracy(trajectories) == 0.5
+    assert held_out_accuracy([{"score": 1.0}, {"score": 0.0}]) == 0.5  # without reward models: the score is the rule
+
+
+def test_held_out_accuracy_is_the_rules_verdict_when_the_rule_weighs_nothing():
+    """reward.rule_weight 0 (training against reward models alone) leaves accuracy measurable."""
+    trajectories = [{"score": 0.0, "reward_parts": {"rule": 1.0, "rm": 0.7}},
+                    {"score": 0.9, "reward_parts": {"rule": 0.0, "rm": 0.9}}]
+    assert held_out_accuracy(trajectories) == 0.5
