@@ -290,13 +290,16 @@ def make_tiny_reward_model(
     *,
     seed: int = 0,
     init_std: float = 0.1,
+    vocab_size: int | None = None,
     **config_overrides,
 ) -> pathlib.Path:
     """A tiny `family` `...ForSequenceClassification` (one label: a reward model) with seeded random weights, saved
-    with `tokenizer` as an HF folder; return the path."""
+    with `tokenizer` as an HF folder; return the path. Its vocabulary is the tokenizer's unless `vocab_size` pads
+    it (to a policy's: a random policy samples any id of its own vocabulary)."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = tiny_hf_config(family, len(tokenizer), tokenizer=tokenizer, num_labels=1, **config_overrides)
+    config = tiny_hf_config(family, vocab_size or len(tokenizer), tokenizer=tokenizer, num_labels=1,
+                            **config_overrides)
     with torch.random.fork_rng(devices=[]):
         model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
     _randomize(model, seed, init_std)

@@ -16,11 +16,16 @@ generation lies (the server process and its RPC, or the agent loops): tools/benc
 `--variants none fp8 r3` repeats 1 and 2 per shape for each variant in the same run (same prompts, seeds and
 lengths) and prints each against the first: generation tokens/s (through mrl and direct), bytes per sync, sync time
 (export + quantise + transfer + load, `sync/update`) and `logprob_mismatch`. fp8 is rollout.quantization=fp8
-(docs/fp8.md); r3 is actor.megatron.router_replay=rollout, MoE shapes only (docs/moe.md).
+(docs/fp8.md); r3 is actor.megatron.router_replay=rollout, MoE shapes only (docs/moe.md); rm adds a colocated
+reward model of the policy's shape (random weights) and distill a teacher of the policy's shape: each prints the share
+of the step its stage takes (`timing_s/reward_colocated`, `timing_s/teacher`; docs/reward_models.md).
+`--direct first` drives vLLM directly for the first variant only (the others change the trainer, not generation),
+`--baseline-json` compares the variants with the first variant of an earlier run on the same machine instead.
 
     python tools/bench/e2e_gpu.py --shapes 0.5b 1.5b --response-length 1024 --batch 32 --n 8
     python tools/bench/e2e_gpu.py --shapes 1.5b --variants none fp8 --json /tmp/fp8.json
-    python tools/bench/e2e_gpu.py --shapes moe2.6b --variants none r3 --json /tmp/moe.json
+    python tools/bench/e2e_gpu.py --shapes moe2.6b --variants none r3 --direct first --json /tmp/moe.json
+    python tools/bench/e2e_gpu.py --shapes 0.5b --variants rm distill --direct none --json /tmp/rm.json
 """
 
 from __future__ import annotations
@@ -40,22 +45,34 @@ HANDOVER = ("handover/sleep", "handover/onload")
 COMPUTE = ("gen", "old_log_prob", "update_actor")
 KEPT = ("timing_s/", "perf/", "memory/", "rollout/", "rollout_corr/", "weight_sync/", "actor/")
 SMOKE = dict(vocab_size=512)  # `--shapes smoke`: the tiny default shape, to try the benchmark on a CPU
-VARIANTS = {"none": [], "fp8": ["rollout.quantization=fp8"], "r3": ["actor.megatron.router_replay=rollout"]}
+VARIANTS = {"none": [], "fp8": ["rollout.quantization=fp8"], "r3": ["actor.megatron.router_replay=rollout"],
+            "rm": ["reward.models=[{{name:rm,path:'{rm}',placement:colocated}}]"],
+            "distill": ["algorithm.distill.enable=true", "algorithm.distill.teacher_path={teacher}"]}
+MODEL_STAGES = ("reward_colocated", "teacher")  # the stages of the rm and distill variants
 
 
-def make_task(folder: Path, shape: str, seed: int) -> dict[str, str]:
+def make_task(folder: Path, shape: str, seed: int, variants: list[str]) -> dict[str, str]:
+    """The policy, the prompts, and the reward model / teacher (same shape, other seeds) the variants name."""
     import torch
 
     from mrl.data.datasets import write_rows
     from mrl.data.synthetic import char_tokenizer, reverse_rows
-    from mrl.models.tiny import QWEN2_5_SHAPES, QWEN3_MOE_SHAPES, make_tiny_hf_model
+    from mrl.models.tiny import QWEN2_5_SHAPES, QWEN3_MOE_SHAPES, make_tiny_hf_model, make_tiny_reward_model
 
     train, _ = reverse_rows(8, n_train=4096, n_val=8, seed=seed)
     family = "qwen3_moe" if shape in QWEN3_MOE_SHAPES else "qwen2"
     dims = QWEN3_MOE_SHAPES.get(shape) or QWEN2_5_SHAPES.get(shape, SMOKE)
-    model = make_tiny_hf_model(family, folder / "model", seed=seed, tokenizer=char_tokenizer(), init_std=0.02,
+    tokenizer = char_tokenizer()
+    model = make_tiny_hf_model(family, folder / "model", seed=seed, tokenizer=tokenizer, init_std=0.02,
                                dtype=torch.bfloat16, **dims)
-    return {"model": str(model), "train": str(write_rows(train, folder / "train.parquet"))}
+    paths = {"model": str(model), "train": str(write_rows(train, folder / "train.parquet"))}
+    if "rm" in variants:
+        paths["rm"] = str(make_tiny_reward_model(family, folder / "rm", tokenizer, seed=seed + 1, init_std=0.02,
+                                                 **{"vocab_size": 512, **dims}))  # the policy's vocabulary
+    if "distill" in variants:
+        paths["teacher"] = str(make_tiny_hf_model(family, folder / "teacher", seed=seed + 2, tokenizer=tokenizer,
+                                                  init_std=0.02, dtype=torch.bfloat16, **dims))
+    return paths
 
 
 def overrides(paths: dict[str, str], args: argparse.Namespace, label: str, folder: Path) -> list[str]:
@@ -153,28 +170,31 @@ async def direct_vllm(cfg: Any, rounds: int) -> dict[str, Any]:
     return {"startup_s": startup, "gen_s": gen, "tokens": tokens, "tokens_per_s": tokens / gen}
 
 
-def report(shape: str, mrl: dict[str, Any], direct: dict[str, Any], warm_s: float) -> dict[str, float]:
+def report(shape: str, mrl: dict[str, Any], direct: dict[str, Any] | None, warm_s: float) -> dict[str, float]:
     m = mrl["median"]
     t = {k.removeprefix("timing_s/"): v for k, v in m.items() if k.startswith("timing_s/")}
     step = t["step"]
     overhead = sum(t.get(k, 0.0) for k in (*SYNC_PARTS, *HANDOVER, "balance", "adv"))
     gen_tokens = m.get("perf/gen_tokens_per_s", float("nan")) * t["gen"]
+    direct_s = direct["gen_s"] if direct else float("nan")
     ratios = {
-        "gen_vs_direct": direct["gen_s"] / t["gen"],
+        "gen_vs_direct": direct_s / t["gen"],
         # The trainer's gen stage also scores the responses (timed inside it as "reward"); without that part:
-        "gen_without_reward_vs_direct": direct["gen_s"] / (t["gen"] - t.get("reward", 0.0)),
+        "gen_without_reward_vs_direct": direct_s / (t["gen"] - t.get("reward", 0.0)),
         "non_compute_share": overhead / step,
         "update_mfu": m.get("perf/mfu/update_actor", float("nan")),
+        **{f"{k}_share": t[k] / step for k in MODEL_STAGES if k in t},
         "startup_cold_s": mrl["startup_s"], "startup_warm_s": warm_s,
     }
     print(f"\n== {shape}: step {step:.2f} s (median of steps 2..), {gen_tokens:.0f} generated tokens per step")
-    for name in (*COMPUTE, *HANDOVER, *SYNC_PARTS, "update_weights", "reward", "balance", "adv"):
+    for name in (*COMPUTE, *MODEL_STAGES, *HANDOVER, *SYNC_PARTS, "update_weights", "reward", "balance", "adv"):
         if name in t:
             print(f"  {name:<20} {t[name]:8.3f} s  {100 * t[name] / step:5.1f}%")
     for key in sorted(k for k in m if k.startswith(("perf/", "memory/", "rollout/logprob"))):
         print(f"  {key:<48} {m[key]:.4g}")
-    print(f"  vLLM direct: gen {direct['gen_s']:.3f} s ({direct['tokens_per_s']:.0f} tok/s), "
-          f"start {direct['startup_s']:.1f} s")
+    if direct:
+        print(f"  vLLM direct: gen {direct['gen_s']:.3f} s ({direct['tokens_per_s']:.0f} tok/s), "
+              f"start {direct['startup_s']:.1f} s")
     print(f"  mrl start: cold {mrl['startup_s']:.1f} s, warm {warm_s:.1f} s")
     print("  ratios: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
     return ratios
@@ -188,7 +208,8 @@ def compare_variant(shape: str, base: dict[str, Any], variant: dict[str, Any], n
         return m.get(key, float("nan")) / b.get(key, float("nan"))
 
     ratios = {"gen_tokens_per_s": ratio("perf/gen_tokens_per_s"),
-              "direct_tokens_per_s": variant["direct"]["tokens_per_s"] / base["direct"]["tokens_per_s"],
+              "direct_tokens_per_s": ((variant["direct"] or {}).get("tokens_per_s", float("nan"))
+                                      / (base["direct"] or {}).get("tokens_per_s", float("nan"))),
               "sync_bytes": ratio("weight_sync/bytes_total"), "sync_update_s": ratio("timing_s/sync/update"),
               "logprob_mismatch": m.get("rollout/logprob_mismatch", float("nan")),
               "mismatch_kl": m.get("rollout/mismatch_kl", float("nan"))}
@@ -212,11 +233,15 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--offload", nargs="*", default=[], choices=["param", "grad", "optimizer"])
     parser.add_argument("--direct-rounds", type=int, default=2)
+    parser.add_argument("--direct", choices=["all", "first", "none"], default="all",
+                        help="which variants also drive vLLM directly")
+    parser.add_argument("--baseline-json", help="an earlier run's --json: the variants compare with its first variant")
     parser.add_argument("--no-warm-start", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs or compile in the engine")
     parser.add_argument("--variants", "--quantizations", nargs="+", default=["none"], choices=sorted(VARIANTS),
                         help="variants to run per shape, in this order (the first is the baseline): none, fp8 "
-                             "(rollout.quantization=fp8), r3 (router replay, MoE shapes)")
+                             "(rollout.quantization=fp8), r3 (router replay, MoE shapes), rm (a colocated reward "
+                             "model), distill (a teacher)")
     parser.add_argument("--json", help="write every figure here")
     args = parser.parse_args()
 
@@ -230,23 +255,28 @@ def main() -> None:
 
     init_ray(num_cpus=16)
     results: dict[str, Any] = {}
+    earlier = json.loads(Path(args.baseline_json).read_text()) if args.baseline_json else {}
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes:
             folder = Path(tmp) / shape
-            paths = make_task(folder, shape, seed=1)
+            paths = make_task(folder, shape, seed=1, variants=args.variants)
+            base_key = None
             for i, variant in enumerate(args.variants):
                 # results[shape] is the plain run, as before; others are "<shape>+<variant>"
                 key = shape if variant == "none" else f"{shape}+{variant}"
-                cfg = load_config("tiny/grpo", overrides(paths, args, f"e2e_{key}", folder) + VARIANTS[variant])
+                extra = [o.format(**paths) for o in VARIANTS[variant]]
+                cfg = load_config("tiny/grpo", overrides(paths, args, f"e2e_{key}", folder) + extra)
                 mrl = run_mrl(cfg)
-                direct = asyncio.run(direct_vllm(cfg, args.direct_rounds))
+                drive = args.direct == "all" or (args.direct == "first" and not i)
+                direct = asyncio.run(direct_vllm(cfg, args.direct_rounds)) if drive else None
                 warm = float("nan") if args.no_warm_start or i else startup_only(cfg)
                 results[key] = {"mrl": mrl, "direct": direct, "warm_startup_s": warm,
                                 "ratios": report(key, mrl, direct, warm)}
-                if i:
-                    first = args.variants[0]
-                    base = results[shape if first == "none" else f"{shape}+{first}"]
-                    results[key]["vs_" + first] = compare_variant(shape, base, results[key], variant)
+                base_key = base_key or next((k for k in earlier if k.split("+")[0] == shape), None) or key
+                base = earlier.get(base_key) or results[base_key]
+                if base_key != key:
+                    name = base_key.partition("+")[2] or "none"
+                    results[key]["vs_" + name] = compare_variant(shape, base, results[key], variant)
                 if args.json:
                     Path(args.json).write_text(json.dumps(results, indent=1, default=str))
 
