@@ -89,18 +89,21 @@ class Run:
     seconds: float
     seed: int
     temperature: float
+    fp8: bool = False  # FP8 rollout (rollout.quantization=fp8) with token TIS (docs/fp8.md)
 
 
 def planned_runs(args: argparse.Namespace, shape: dict[str, Any]) -> list[Run]:
-    """The GRPO runs (`--grpo-runs SEED:TEMPERATURE[:LR] ...`, default the --seed and --temperature) and the control,
-    as --stages asks."""
+    """The GRPO runs (`--grpo-runs SEED:TEMPERATURE[:LR[:fp8]] ...`, default the --seed and --temperature) and the
+    control, as --stages asks."""
     runs = []
     if "grpo" in args.stages:
         for spec in args.grpo_runs or [f"{args.seed}:{args.temperature:g}"]:
-            seed, temperature, *lr = spec.split(":")
-            label = f"grpo_seed{seed}_t{float(temperature):g}" + (f"_lr{float(lr[0]):g}" if lr else "")
-            runs.append(Run(label, float(lr[0]) if lr else args.lr or shape["grpo"]["lr"], args.grpo_seconds,
-                            int(seed), float(temperature)))
+            seed, temperature, *rest = spec.split(":")
+            lr, fp8 = (rest[0] if rest and rest[0] else None), rest[1:] == ["fp8"]
+            label = (f"grpo_seed{seed}_t{float(temperature):g}" + (f"_lr{float(lr):g}" if lr else "")
+                     + ("_fp8" if fp8 else ""))
+            runs.append(Run(label, float(lr) if lr else args.lr or shape["grpo"]["lr"], args.grpo_seconds,
+                            int(seed), float(temperature), fp8))
     if "control" in args.stages:
         runs.append(Run(f"control_lr0_seed{args.seed}", 0.0, args.control_seconds, args.seed, args.temperature))
     return [r for r in runs if args.only in (None, r.label)]
@@ -214,7 +217,9 @@ def grpo_overrides(args: argparse.Namespace, shape: dict[str, Any], task: dict[s
         f"trainer.val_before_train={not resumes}", "trainer.save_freq=1000000", "trainer.max_checkpoints_to_keep=1",
         f"trainer.seed={run.seed}",
         f"trainer.experiment_name={label}", f"trainer.default_local_dir={out / label}",
-        "trainer.logger=[console,jsonl]", "trainer.rollout_dump_per_step=2", *args.overrides,
+        "trainer.logger=[console,jsonl]", "trainer.rollout_dump_per_step=2",
+        *(["rollout.quantization=fp8", "algorithm.rollout_correction.rollout_is=token"] if run.fp8 else []),
+        *args.overrides,
     ]
 
 
@@ -280,9 +285,10 @@ def main() -> None:
     parser.add_argument("--init", help="warm up from this HF folder (an earlier warm-up's) instead of random weights")
     parser.add_argument("--lr", type=float, default=None, help="GRPO learning rate (default: the shape's)")
     parser.add_argument("--temperature", type=float, default=1.0, help="rollout.temperature")
-    parser.add_argument("--grpo-runs", nargs="+", metavar="SEED:T[:LR]",
-                        help="several GRPO runs from the same checkpoint, each a seed, a rollout temperature and "
-                             "optionally a learning rate (default: --seed:--temperature, the shape's or --lr's)")
+    parser.add_argument("--grpo-runs", nargs="+", metavar="SEED:T[:LR[:fp8]]",
+                        help="several GRPO runs from the same checkpoint, each a seed, a rollout temperature, "
+                             "optionally a learning rate (empty: the shape's or --lr's) and `fp8` (FP8 rollout with "
+                             "token TIS; e.g. 1:1:5e-6:fp8 beside 1:1:5e-6) (default: --seed:--temperature)")
     parser.add_argument("--side-by-side", action="store_true",
                         help="the RL runs at once, each in its own process on the same device")
     parser.add_argument("--plot-warmups", nargs="+", metavar="PATH",
