@@ -35,7 +35,7 @@ from routing_fixtures import make_near_tie_moe, replay_passes, rollouts
 
 from mrl.utils.distributed import launch
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 VOCAB = 512
 ODD_VOCAB = 1001

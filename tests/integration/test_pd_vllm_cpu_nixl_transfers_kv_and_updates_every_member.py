@@ -23,7 +23,7 @@ from mrl.models.tiny import build_tiny_hf_model, make_tiny_hf_model
 from mrl.rollout.pd import LocalMember, PDRouter, PDSpec, vllm_kv_transfer_config
 from rollout_adapters.buckets import pack_buckets
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 pytest.importorskip("nixl._api", reason="install nixl and nixl-cu12 (--no-deps) for the CPU NIXL transfer")
 
 PROMPT = [11, 57, 203, 88, 141, 9, 300, 42, 17, 250, 33, 401, 77, 5, 130, 260, 98, 64, 150, 222] * 2

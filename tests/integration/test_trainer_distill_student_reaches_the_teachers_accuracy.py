@@ -22,7 +22,7 @@ from mrl.config.startup.loader import load_config
 from mrl.trainer.build import build_trainer, shutdown
 from mrl.trainer.ppo_trainer import PPOTrainer
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 TEMPERATURE = 0.8  # not 1: the teacher's log-probs must be those of the distribution the rollout sampled
 STEPS = 12

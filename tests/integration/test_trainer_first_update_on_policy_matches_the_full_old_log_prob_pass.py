@@ -13,7 +13,7 @@ from trainer_fixtures import tiny_trainer
 from mrl.trainer.build import shutdown
 from mrl.trainer.ppo_trainer import PPOTrainer
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 B, M, N = 2, 1, 2  # prompts per step, prompts per update (2 updates per step), samples per prompt
 

@@ -24,7 +24,7 @@ from mrl.models.tiny import make_tiny_hf_model
 from mrl.trainer.build import build_trainer, shutdown
 from mrl.trainer.ppo_trainer import PPOTrainer
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 B, M, N = 4, 2, 2  # prompts per step, prompts per mini-batch, samples per prompt
 

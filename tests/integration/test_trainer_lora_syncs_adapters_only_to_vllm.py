@@ -13,7 +13,7 @@ import os
 import pytest
 from trainer_fixtures import lora_vllm_run
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

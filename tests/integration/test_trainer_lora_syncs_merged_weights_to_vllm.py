@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from trainer_fixtures import lora_vllm_run
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

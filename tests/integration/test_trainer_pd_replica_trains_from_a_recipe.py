@@ -30,7 +30,7 @@ from mrl.trainer.build import shutdown
 from mrl.trainer.ppo_trainer import PPOTrainer
 from rollout_adapters.buckets import pack_buckets
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 pytest.importorskip("nixl._api", reason="install nixl and nixl-cu12 (--no-deps) for the CPU NIXL transfer")
 
 STEPS = 2

@@ -28,7 +28,7 @@ from mrl.trainer import checkpointing
 from mrl.trainer.build import build_trainer, shutdown
 from mrl.trainer.ppo_trainer import PPOTrainer
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 B, M, N = 2, 1, 2  # prompts per step, prompts per update (2 updates per step), samples per prompt
 NOT_REPRODUCIBLE = ("timing_s/", "perf/", "memory/")  # wall-clock and memory measurements

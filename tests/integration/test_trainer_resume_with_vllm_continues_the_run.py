@@ -23,7 +23,7 @@ from mrl.trainer.build import build_trainer, shutdown
 from mrl.trainer.ppo_trainer import PPOTrainer
 from mrl.utils.rng import rng_state
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 B, M, N = 2, 1, 2  # prompts per step, prompts per update, samples per prompt
 

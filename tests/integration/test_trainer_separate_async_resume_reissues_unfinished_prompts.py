@@ -20,7 +20,7 @@ from mrl.trainer import checkpointing
 from mrl.trainer.build import shutdown
 from mrl.trainer.modes import SeparateAsyncTrainer
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 B, M, N = 2, 1, 2  # groups per step, groups per update, samples per group
 WORDS = ["alpha", "beta", "gamma", "delta", "step", "model", "token", "answer"]

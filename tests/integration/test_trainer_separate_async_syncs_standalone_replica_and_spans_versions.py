@@ -26,7 +26,7 @@ from trainer_fixtures import stepped, tiny_trainer, trainer_gap
 
 from mrl.trainer.modes import SeparateAsyncTrainer
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 B, M, N, STEPS = 2, 1, 2, 3
 PROBE_PROMPT = [11, 57, 203, 88, 141, 9, 300, 42]

@@ -25,7 +25,7 @@ from mrl.models.tiny import make_tiny_hf_model
 from mrl.trainer.build import build_trainer, shutdown
 from mrl.trainer.ppo_trainer import PPOTrainer
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 PROMPT = [11, 57, 203, 88, 141, 9, 300, 42]
 
