@@ -70,8 +70,9 @@ def make_task(folder: Path, shape: str, seed: int, variants: list[str]) -> dict[
                                dtype=torch.bfloat16, **dims)
     paths = {"model": str(model), "train": str(write_rows(train, folder / "train.parquet"))}
     if "rm" in variants:
+        # the policy's vocabulary, not the tokenizer's: a random policy samples any id of its own
         paths["rm"] = str(make_tiny_reward_model(family, folder / "rm", tokenizer, seed=seed + 1, init_std=0.02,
-                                                 **{"vocab_size": 512, **dims}))  # the policy's vocabulary
+                                                 **dims))
     if "distill" in variants:
         paths["teacher"] = str(make_tiny_hf_model(family, folder / "teacher", seed=seed + 2, tokenizer=tokenizer,
                                                   init_std=0.02, dtype=torch.bfloat16, **dims))
