@@ -237,8 +237,8 @@ class ActorConfig:
 @dataclass
 class RefConfig:
     # Parallel layout of the reference policy (and of a distillation teacher and colocated reward models). Its
-    # params_dtype follows the actor's unless set: a float32 frozen engine beside a bf16 actor computed 6-9x slower
-    # on an H100 (docs/reward_models.md).
+    # params_dtype follows the actor's unless set: a float32 teacher beside a bf16 actor took 6x the bf16 pass over
+    # the same tokens on an H100 (docs/reward_models.md).
     megatron: MegatronConfig = field(
         default_factory=lambda: MegatronConfig(params_dtype="${actor.megatron.params_dtype}"))
     # Samples per micro-batch for reference log-probs.

@@ -99,6 +99,8 @@ def planned_runs(args: argparse.Namespace, shape: dict[str, Any]) -> list[Run]:
     if "grpo" in args.stages:
         for spec in args.grpo_runs or [f"{args.seed}:{args.temperature:g}"]:
             seed, temperature, *rest = spec.split(":")
+            if rest[1:] not in ([], ["fp8"]):
+                raise SystemExit(f"--grpo-runs {spec}: expected SEED:T[:LR[:fp8]]")
             lr, fp8 = (rest[0] if rest and rest[0] else None), rest[1:] == ["fp8"]
             label = (f"grpo_seed{seed}_t{float(temperature):g}" + (f"_lr{float(lr):g}" if lr else "")
                      + ("_fp8" if fp8 else ""))
