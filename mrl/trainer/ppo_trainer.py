@@ -221,6 +221,10 @@ class PPOTrainer:
         t = self.timer
         if asleep:
             with t("sync/wake_weights"):
+                # The engine's weights wake into what the training roles leave free: their allocators give back
+                # the update's cached activations first (a 2.6B MoE update's left too little on an H100).
+                for group in self.training_groups():
+                    group.release_cached_blocks()
                 self.parts.rollout.wake_up(["weights"])
         with t("sync/update"):  # export, transfer and load, pipelined bucket by bucket
             self.sync_metrics = device_sync_metrics(self.parts.actor_rollout.update_weights(self.global_steps))
@@ -248,10 +252,12 @@ class PPOTrainer:
     def note_handover(self, before: str, after: str, method: str) -> None:
         """Call `method` (offload/onload) on every training group; keep the device memory (GiB in use, the most
         loaded device) before and after it."""
-        groups = [g for g in (self.parts.actor_rollout, self.parts.critic) if g is not None]
-        reports = [report for g in groups for report in getattr(g, method)()]
+        reports = [report for g in self.training_groups() for report in getattr(g, method)()]
         for point, key in ((before, "before"), (after, "after")):
             self.handover_memory[point] = max(r[key].get("used", 0.0) for r in reports)
+
+    def training_groups(self) -> list[Any]:
+        return [g for g in (self.parts.actor_rollout, self.parts.critic) if g is not None]
 
     def take_handover_memory(self) -> dict[str, float]:
         """`memory/handover/<point>_used_gib` since the last step (nothing on CPU hosts)."""

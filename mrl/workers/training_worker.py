@@ -83,6 +83,10 @@ class DeviceHandover:
         return {"before": before, "after": device_memory()}
 
     @register(Dispatch.ONE_TO_ALL)
+    def release_cached_blocks(self) -> None:
+        release_cached_blocks()
+
+    @register(Dispatch.ONE_TO_ALL)
     def onload(self) -> dict[str, dict[str, float]]:
         before = device_memory()
         for role, _ in self.training_roles():
