@@ -250,8 +250,10 @@ class CriticConfig:
     # Train a critic (the policy's transformer under a [hidden → 1] score head, HF's ...ForTokenClassification with
     # one label, read from model.path where it has one); needed by adv_estimator=gae.
     enable: bool = False
-    # Parallel layout of the critic.
-    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    # Parallel layout of the critic. Its params_dtype follows the actor's unless set, as the reference's does (a
+    # float32 engine beside a bf16 actor took 6x the bf16 time on an H100: docs/reward_models.md).
+    megatron: MegatronConfig = field(
+        default_factory=lambda: MegatronConfig(params_dtype="${actor.megatron.params_dtype}"))
     # Optimizer of the critic.
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     # Prompts per critic update.
