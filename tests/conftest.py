@@ -1,10 +1,8 @@
 """Fixtures shared by the whole suite.
 
 One Ray cluster serves every test of a run (starting one costs seconds on 2 cores; under pytest-xdist, one per
-worker); GPU tests are skipped where CUDA is absent. Modules marked `slow` are collected first, so that
-`-n 2 --dist loadfile` (tools/test.sh) starts the longest modules early instead of leaving one worker alone with
-them at the end. Ray over-commits logical CPUs and declares logical GPUs so that placement groups and fractional
-GPU shares behave as on a GPU cluster, with CPU bundles standing in for devices.
+worker); GPU tests are skipped where CUDA is absent. Ray over-commits logical CPUs and declares logical GPUs so that
+placement groups and fractional GPU shares behave as on a GPU cluster, with CPU bundles standing in for devices.
 """
 
 import os
@@ -25,8 +23,6 @@ RAY_LOGICAL_GPUS = 8
 
 
 def pytest_collection_modifyitems(config, items):
-    slow_modules = {item.nodeid.split("::")[0] for item in items if "slow" in item.keywords}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_modules)  # stable: file order kept otherwise
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA (run on the GPU machine)")

@@ -19,9 +19,9 @@ run_pytest() {  # pytest exits 5 when a folder holds no tests yet: that is not a
 status=0
 echo "=== ruff"; ruff check . || status=1
 echo "=== unit tests"; run_pytest tests/unit -q --timeout=300 -n 2 "$@" || status=1
-# Integration tests on two workers, one module each at a time (most of a test's time is process start-up and
-# waiting, so two share the 2 cores): 25:33 and 26:19 against 28:14-29:41 one after another (2026-12-06). The slow
-# modules are collected first (tests/conftest.py) so that neither worker is left alone with one at the end.
-echo "=== integration tests"
-run_pytest tests/integration -q --timeout=1200 --durations=15 -n 2 --dist loadfile "$@" || status=1
+# Integration tests one at a time. On two pytest-xdist workers (`-n 2 --dist loadfile`, slow modules first) they
+# took 25:33 in a working copy and 26:19 and 29:56 in fresh clones, against 28:14-29:41 one at a time, and both
+# fresh clones failed tests that pass alone (a gloo connect that never completed; torch's shared-memory manager
+# and a time-limited smoke run): the gain is within the machine's noise, the failures are not.
+echo "=== integration tests"; run_pytest tests/integration -q --timeout=1200 --durations=15 "$@" || status=1
 exit $status
