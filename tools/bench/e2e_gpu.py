@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import tempfile
@@ -247,6 +248,8 @@ def main() -> None:
                              "(rollout.quantization=fp8), fp8kv (and an FP8 KV cache), r3 (router replay, MoE "
                              "shapes), rm (a colocated reward model), distill (a teacher)")
     parser.add_argument("--json", help="write every figure here")
+    parser.add_argument("--work-dir", help="keep the task and each run's metrics.jsonl here (default: a temporary "
+                                           "folder, removed at the end): a run cut short leaves the steps it made")
     args = parser.parse_args()
 
     import os
@@ -260,7 +263,7 @@ def main() -> None:
     init_ray(num_cpus=16)
     results: dict[str, Any] = {}
     earlier = json.loads(Path(args.baseline_json).read_text()) if args.baseline_json else {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with contextlib.nullcontext(args.work_dir) if args.work_dir else tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes:
             folder = Path(tmp) / shape
             paths = make_task(folder, shape, seed=1, variants=args.variants)
