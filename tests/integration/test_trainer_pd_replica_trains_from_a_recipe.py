@@ -10,7 +10,10 @@ The same replica then proves what a PD replica on Ray does outside a training st
 cores it costs about a minute): PDReplica placed the members in separate processes on the slots of the trainer's
 pool (footprint TP_prefill + TP_decode × N_decode = 2) with a router actor in front; a weight update sent as
 object-store refs reaches both members (same version, PD samples equal an HF forward of the new weights to 1e-4);
-the router answers a burst in one streaming `generate_many` call like a plain server.
+the router answers a burst in one streaming `generate_many` call like a plain server; and the decode member generates
+from the KV cache the prefill member computed: with the prefill member alone moved back to the seed-0 weights (and
+the decode member's prefix cache cleared), the PD sample's log-probs leave the seed-1 reference, which they could
+not if the decode member recomputed the prompt itself.
 
 Needs the `nixl` + `nixl-cu12` wheels (their UCX backend runs on CPU); skipped without them.
 """
@@ -51,7 +54,12 @@ def object_store_update(replica, pool) -> dict:
     for ref in replica.server.generate_many.options(num_returns="streaming").remote(
             [("b0", LONG_PROMPT, GREEDY), ("b1", LONG_PROMPT[:8], GREEDY)]):
         burst.update(ray.get(ref, timeout=300))
-    return {"counts": counts, "out": out, "burst": burst, "health": ray.get(replica.health(), timeout=60),
+    health = ray.get(replica.health(), timeout=60)
+    seed0 = [ray.put(blob) for blob in pack_buckets(build_tiny_hf_model("qwen2", seed=0).state_dict().items())]
+    ray.get(replica.members["prefill"].update_weights.remote(seed0, 12), timeout=300)
+    ray.get(replica.members["decode0"].clear_kv_cache.remote(), timeout=60)
+    mixed = ray.get(replica.generate("mixed", LONG_PROMPT, GREEDY), timeout=300)
+    return {"counts": counts, "out": out, "burst": burst, "health": health, "mixed": mixed,
             "reference": reference, "pool_pg": pool.get_placement_groups()[0].id.hex()}
 
 
@@ -105,3 +113,11 @@ def test_pd_replica_members_on_pool_slots_share_updates(run):
     assert members["prefill"]["pid"] != members["decode0"]["pid"]
     assert {m["placement_group"] for m in members.values()} == {result["pool_pg"]}
     assert max_logprob_error(reference, LONG_PROMPT, out) <= 1e-4
+
+
+def test_decode_member_generates_from_the_prefill_members_kv_cache(run):
+    result = run["on_ray"]
+    # The decode member kept the seed-1 weights; the prompt's KV came from the seed-0 prefill member.
+    assert result["mixed"].extra["pd_decode"] == "decode0"
+    assert max_logprob_error(result["reference"], LONG_PROMPT, result["mixed"]) > 1e-3, \
+        "the decode member did not use the prefill member's KV cache"
