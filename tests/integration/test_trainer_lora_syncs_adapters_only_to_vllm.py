@@ -40,7 +40,7 @@ def test_sync_moves_only_the_adapters_and_keeps_one_folder(adapter_run):
     second = adapter_run["metrics"][1]
     assert second["weight_sync/bytes_total"] == 2 * per_layer * 4
     assert second["weight_sync/tensors"] == 2 * 7 * 2
-    assert adapter_run["folders"] == ["v2"]
+    assert adapter_run["folders"] == ["v3"]  # the run's last sync (lora_vllm_run's per-rank report) was version 3
 
 
 def test_step_reports_the_optimizer_state_of_the_adapters_only(adapter_run):

