@@ -10,10 +10,9 @@
 # rollout.quantization=fp8: its sync read-back test, then tools/bench/e2e_gpu.py at 1.5B with and without it in one
 # run, docs/fp8.md; each of the next fits one device call: rm, the reward-model and teacher stages at 0.5B;
 # moe26 then moe26r3, the MoE step at 2.6B without and with R3 (moe26both: both in one call, two steps each);
-# fp8fp32, the read-back test's fp32 scale format;
-# fp8kv, FP8 weights and KV cache at 1.5B against bench15's JSON of the same lease; chaintask then fp8learn, FP8
-# rollout with token TIS beside BF16 on the chain task). STAGE:SECONDS overrides a stage's time limit (a tight
-# device lease);
+# fp8fp32, the read-back test's fp32 scale format; fp8kv, FP8 weights and KV cache at 1.5B against bench15's JSON
+# of the same lease; chaintask then fp8learn, FP8 rollout with token TIS beside BF16 on the chain task).
+# STAGE:SECONDS overrides a stage's time limit (a tight device lease);
 # ARGS_<stage> in the environment is appended to the stage's command, e.g. ARGS_corr="--only off,decoupled".
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_learn_script_smoke_writes_a_self_contained_task_and_a_timed_grpo_run(tmp_path):
     out = tmp_path / "learn"
-    # trainer.time_limit_s counts the validation before training, whose first vLLM generation took over 4 s beside
-    # the other run on 2 cores: a control limited to 4 s then ended with no step.
+    # trainer.time_limit_s counts the validation before training, whose first generation (vLLM, when the smoke used
+    # it) took over 4 s beside the other run on 2 cores: a control limited to 4 s then ended with no step.
     cmd = [sys.executable, str(ROOT / "tools/bench/learn_gpu.py"), "--shape", "smoke", "--out", str(out),
            "--stages", "warmup", "grpo", "control", "--side-by-side", "--grpo-seconds", "8", "--control-seconds", "8",
            "--test-freq", "100", "--num-cpus", "2",
