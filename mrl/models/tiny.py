@@ -136,6 +136,11 @@ QWEN3_MOE_SHAPES: dict[str, dict] = {
     "moe2.6b": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
                     num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512, vocab_size=151936,
                     tie_word_embeddings=True, max_position_embeddings=32768),
+    # Qwen3-30B-A3B's layer widths (hidden 2048, 32×128 query heads, 4 KV heads, experts of 768) with 8 of its 48
+    # layers and 64 of its 128 experts: 2.9B parameters, 0.76B active per token (the output layer included).
+    "moe2.9b": dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                    num_experts=64, num_experts_per_tok=8, moe_intermediate_size=768, vocab_size=151936,
+                    tie_word_embeddings=True, max_position_embeddings=32768),
 }
 
 _FAMILY_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict]] = {

@@ -1,7 +1,7 @@
 """Engine benchmark (one GPU): actor-update speed against Megatron's stock local spec, and log-prob path memory.
 
-1. Throughput, per Qwen-shaped bf16 model (0.6B- and 1.5B-shaped) and workload (rows × length, or a packed batch
-   of mixed lengths), in the same process:
+1. Throughput, per Qwen-shaped bf16 model (0.6B- and 1.5B-shaped, or a Qwen3-MoE shape of mrl.models.tiny:
+   moe2.6b, moe2.9b) and workload (rows × length, or a packed batch of mixed lengths), in the same process:
      local: GPTModel with the stock local spec (DotProductAttention, S×S scores), `model(ids, pos, None,
             labels=...)`, per-token cross entropy mean, backward; one [rows, length] micro-batch after another
             (equal-length rows only: the local spec cannot take packed sequences);
@@ -9,11 +9,14 @@
             the variable-length flash kernel, chunked vocab-parallel log-probs, a token-mean policy-gradient
             loss, Megatron DDP buffers and gradient reduction).
    Both use the same TransformerConfig (including the CUDA-only fusions of mrl.engine.megatron.model).
-   Reported: tokens/s, TFLOP/s and MFU (FLOPs per token 6·N + 12·L·H·Q·T, N the parameters without the input
-   embedding, L layers, H heads, Q head dim, T the document's length; MFU against 790 TFLOP/s, the bf16 GEMM
-   rate measured on the H200), peak memory, and ours/local (the issue-3 goal is ≥ 0.95).
-   `--variants` also times ours with one speed-up switched off at a time; `--profile` prints the top CUDA
-   kernels of one step of ours.
+   Reported: tokens/s, TFLOP/s and MFU (the trainer's count, mrl.trainer.metrics.ModelFlops: 6·N + 12·L·H·Q·T per
+   token, N the parameters a token passes through (MoE: its active experts; the output layer, tied or not; not the
+   input embedding), L layers, H heads, Q head dim, T the document's length; MFU against the device's dense bf16
+   peak, as the trainer's perf/mfu: 989 TFLOP/s on an H100 or H200. Before 2026-12-06 this script counted a tied
+   output layer out and divided by 790, the GEMM rate measured on the H200), peak memory, and ours/local (the
+   issue-3 goal is ≥ 0.95; MoE shapes have no local run, whose spec is ours).
+   `--variants` also times ours with one speed-up switched off at a time (MoE shapes: also the stock all-to-all
+   dispatcher and the loop over experts); `--profile` prints the top CUDA kernels of one step of ours.
 2. Memory. Per-token log-probs of T tokens at vocabulary V: peak CUDA memory above the inputs for
      materialised: (h Wᵀ).float() → log_softmax → gather   (what a naive trainer does)
      chunked:      mrl.engine.megatron.logprob.vocab_parallel_logprobs (forward; forward+backward with the
@@ -37,7 +40,6 @@ from typing import Any
 
 import torch
 
-PEAK_TFLOPS = 790.0
 VOCAB = 151936
 SHAPES = {
     "0.6B": dict(
@@ -64,6 +66,16 @@ SHAPES = {
         num_key_value_heads=2,
         head_dim=16,
     ),
+    "smoke-moe": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    ),
 }
 # name → (document lengths of one step, token budget of one micro-batch of ours, rows per local micro-batch)
 WORKLOADS = {
@@ -71,6 +83,8 @@ WORKLOADS = {
     "2x4096": ([4096] * 4, 8192, 2),
     # Mixed lengths as RL rollouts give them (seeded): ~16k tokens, two or three packed micro-batches.
     "packed": ([3100, 220, 1750, 4096, 610, 2900, 95, 1280, 3333, 480, 1900], 8192, 0),
+    # The MoE GPU step's shape (tools/bench/e2e_gpu.py): 1k-token responses, 16k-token micro-batches.
+    "32x1024": ([1024] * 32, 16384, 0),
 }
 SMOKE_WORKLOADS = {"4x2048": ([32] * 4, 64, 2), "packed": ([40, 7, 25, 60, 13], 64, 0)}
 
@@ -108,27 +122,20 @@ def timed(fn: Any, iters: int, warmup: int) -> float:
     return statistics.median(out)
 
 
-def make_model(folder: str, shape: dict, vocab: int) -> str:
-    from mrl.models.tiny import make_tiny_hf_model
+def make_model(folder: str, shape: str, vocab: int) -> str:
+    from mrl.models.tiny import QWEN3_MOE_SHAPES, make_tiny_hf_model
 
+    dims = {"vocab_size": vocab, "max_position_embeddings": 8192, **(QWEN3_MOE_SHAPES.get(shape) or SHAPES[shape])}
     return str(
         make_tiny_hf_model(
-            "qwen3",
+            "qwen3_moe" if "num_experts" in dims else "qwen3",
             folder,
             tokenizer=False,
-            vocab_size=vocab,
             dtype=torch.bfloat16 if cuda() else torch.float32,
             init_std=0.02,
-            max_position_embeddings=8192,
-            **shape,
+            **dims,
         )
     )
-
-
-def step_flops(config: Any, n_params: int, lengths: list[int]) -> float:
-    """6·N + 12·L·H·Q·T per token, T the length of the token's document."""
-    lhq = config.num_layers * config.num_attention_heads * config.kv_channels
-    return float(sum(t * (6 * n_params + 12 * lhq * t) for t in lengths))
 
 
 def bench_model(rank: int, world: int, path: str, workloads: dict, opts: dict) -> dict:
@@ -140,6 +147,7 @@ def bench_model(rank: int, world: int, path: str, workloads: dict, opts: dict) -
     from mrl.engine.megatron import attention, logprob
     from mrl.engine.megatron.engine import MegatronEngine
     from mrl.engine.megatron.packing import JaggedBatch
+    from mrl.trainer.metrics import ModelFlops, peak_flops
 
     dtype = "bfloat16" if cuda() else "float32"
     engine = MegatronEngine(
@@ -154,6 +162,8 @@ def bench_model(rank: int, world: int, path: str, workloads: dict, opts: dict) -
     model = engine.unwrapped()[0]
     n_params = sum(p.numel() for p in model.parameters()) - model.embedding.word_embeddings.weight.numel()
     vocab = engine.bridge.model_kwargs()["vocab_size"]
+    flops = ModelFlops.from_model_path(path)
+    device_peak = peak_flops(torch.cuda.get_device_name() if cuda() else "CPU", None)
 
     def loss_fn(outputs, mb, normalizer):
         return agg_loss(-mb["advantages"] * outputs["log_probs"], mb["response_mask"], "token-mean", normalizer), {}
@@ -179,17 +189,16 @@ def bench_model(rank: int, world: int, path: str, workloads: dict, opts: dict) -
 
     def row(name: str, seconds: float, peak: float) -> dict:
         lengths = workloads[name][0]
-        flops = step_flops(config, n_params, lengths)
-        tflops = flops / seconds / 1e12
+        tflops = 3 * flops.forward(lengths) / seconds / 1e12
         return {
             "tokens_per_s": sum(lengths) / seconds,
             "tflops": tflops,
-            "mfu": tflops / PEAK_TFLOPS,
+            "mfu": tflops * 1e12 / device_peak,
             "peak_gib": peak,
             "step_s": seconds,
         }
 
-    out: dict[str, Any] = {"n_params": n_params, "ours": {}, "local": {}, "variants": {}}
+    out: dict[str, Any] = {"n_params": n_params, "flops_params": flops.params, "ours": {}, "local": {}, "variants": {}}
     for name in workloads:
         reset_peak()
         seconds = timed(lambda name=name: actor_step(name), opts["iters"], opts["warmup"])
@@ -199,19 +208,22 @@ def bench_model(rank: int, world: int, path: str, workloads: dict, opts: dict) -
     if opts["variants"]:
         name = opts["variant_workload"]
         switches = {
-            "per-document SDPA (no varlen flash)": (attention, "FLASH_VARLEN", False),
-            "RMSNorm eager (not compiled)": (attention, "COMPILE_NORM", False),
-            "log-prob elementwise eager (no torch.compile)": (logprob, "COMPILE_ELEMENTWISE", False),
-            "logits recomputed in backward": (engine.cfg, "logprob_keep_logits_gib", 0.0),
+            "per-document SDPA (no varlen flash)": [(attention, "FLASH_VARLEN", False)],
+            "RMSNorm eager (not compiled)": [(attention, "COMPILE_NORM", False)],
+            "log-prob elementwise eager (no torch.compile)": [(logprob, "COMPILE_ELEMENTWISE", False)],
+            "logits recomputed in backward": [(engine.cfg, "logprob_keep_logits_gib", 0.0)],
+            **moe_switches(engine.model),
         }
-        for label, (obj, attr, value) in switches.items():
-            before = getattr(obj, attr)
-            setattr(obj, attr, value)
+        for label, triples in switches.items():
+            befores = [getattr(obj, attr) for obj, attr, _ in triples]
+            for obj, attr, value in triples:
+                setattr(obj, attr, value)
             try:
                 reset_peak()
                 out["variants"][label] = row(name, timed(lambda: actor_step(name), opts["iters"], 1), peak_gib())
             finally:
-                setattr(obj, attr, before)
+                for (obj, attr, _), before in zip(triples, befores):
+                    setattr(obj, attr, before)
             print(f"  variant {label}: {out['variants'][label]}", flush=True)
         for chunk in opts["chunks"]:
             before, engine.chunk_tokens = engine.chunk_tokens, chunk
@@ -227,11 +239,19 @@ def bench_model(rank: int, world: int, path: str, workloads: dict, opts: dict) -
 
         name = opts["variant_workload"]
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
             actor_step(name)
             sync()
-        out["profile"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
-        print(out["profile"], flush=True)
+            wall = time.perf_counter() - start
+        events = prof.key_averages()
+        out["profile"] = events.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+        # Kernel time over wall time: well under 1, the device waits on the host (launches, synchronisations).
+        out["device_busy"] = sum(e.self_device_time_total for e in events) / 1e6 / wall
+        print(out["profile"], f"\ndevice busy {out['device_busy']:.1%} of {wall:.2f} s (profiled)", flush=True)
 
+    if config.num_moe_experts:
+        parallel_state.destroy_model_parallel()
+        return out  # the local spec's MoE layers are ours (grouped experts), no baseline
     # The stock local spec on the same TransformerConfig, after freeing the engine's memory.
     engine.to("cpu")  # frees its parameters, gradients and optimizer state on the device
     model = None
@@ -262,6 +282,29 @@ def bench_model(rank: int, world: int, path: str, workloads: dict, opts: dict) -
         print(f"  local {name}: {out['local'][name]}", flush=True)
     parallel_state.destroy_model_parallel()
     return out
+
+
+def moe_switches(chunks: list[Any]) -> dict[str, list[tuple[Any, str, Any]]]:
+    """The MoE speed-ups as variant switches: the in-rank dispatcher (back to Megatron's all-to-all one) and the
+    grouped GEMMs (back to SequentialMLP's loop). Empty for a dense model."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from mrl.engine.megatron.grouped_experts import GroupedGemmExperts, InRankTokenDispatcher
+
+    layers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, MoELayer)]
+    if not layers:
+        return {}
+    in_rank = [m.token_dispatcher for m in layers if isinstance(m.token_dispatcher, InRankTokenDispatcher)]
+    return {
+        "stock all-to-all dispatcher (host sync, identity sort, atomics)": [
+            (d, "__class__", MoEAlltoAllTokenDispatcher) for d in in_rank
+        ],
+        "stock dispatcher and the loop over experts (SequentialMLP)": [
+            *((d, "__class__", MoEAlltoAllTokenDispatcher) for d in in_rank),
+            (GroupedGemmExperts, "_grouped", lambda self, hidden: False),
+        ],
+    }
 
 
 def _kwargs(path: str) -> dict:
@@ -401,7 +444,7 @@ def main() -> None:
     args = parser.parse_args()
     if not cuda() and not args.smoke:
         raise SystemExit("tools/bench/engine.py needs CUDA (or --smoke)")
-    shapes = ["smoke"] if args.smoke else [s for s in args.shapes.split(",") if s]
+    shapes = ["smoke", "smoke-moe"] if args.smoke else [s for s in args.shapes.split(",") if s]
     workloads = SMOKE_WORKLOADS if args.smoke else {k: WORKLOADS[k] for k in args.workloads.split(",")}
     vocab = 512 if args.smoke else VOCAB
     variant_workload = "4x2048" if args.smoke else args.variant_workload
@@ -416,7 +459,7 @@ def main() -> None:
 
         chunks = [int(c) for c in args.logprob_chunks.split(",") if c] or [DEFAULT_CHUNK_TOKENS]
         result["logprob_memory"] = []
-        for tokens in (int(t) for t in args.logprob_tokens.split(",")):
+        for tokens in (int(t) for t in args.logprob_tokens.split(",") if t):
             for chunk in chunks:
                 result["logprob_memory"].append(bench_logprob_memory(tokens, 1024, vocab, chunk))
                 print(json.dumps(result["logprob_memory"][-1]), flush=True)
@@ -433,9 +476,9 @@ def main() -> None:
             chunks=[int(c) for c in args.chunks.split(",") if c],
             profile=shape in args.profile.split(","),
         )
-        print(f"== {shape}: {SHAPES[shape]}", flush=True)
+        print(f"== {shape}", flush=True)
         with tempfile.TemporaryDirectory() as folder:
-            path = make_model(os.path.join(folder, "model"), SHAPES[shape], vocab)
+            path = make_model(os.path.join(folder, "model"), shape, vocab)
             result["models"][shape] = launch(bench_model, 1, path, workloads, opts, timeout_s=900)[0]
     print_tables(result)
     if args.out:

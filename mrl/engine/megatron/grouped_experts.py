@@ -15,6 +15,14 @@ its float32 backward fails there) on Hopper or newer, with expert widths that ar
 or device, expert biases, FP8/FP4 or probabilities applied on the input take `SequentialMLP`'s loop.
 Expert tensor parallelism needs no extra communication here: with TP or EP above 1 Megatron builds expert linears
 with `explicit_expert_comm` (the token dispatcher gathers and scatters), and with both at 1 there is no group.
+
+`InRankTokenDispatcher` serves the grouped experts where one rank holds every expert (EP = TP = 1, dropless). The
+stock all-to-all dispatcher then still (a) copies the per-expert token counts to the host and waits for them in every
+layer (the GPU drains while the host launches the rest of the layer), (b) sorts the tokens by local expert, an
+identity permutation with one rank, and (c) returns the tokens with `scatter_add_`/`index_add_` in bf16, atomics
+that race and round in bf16 (its backward of the first permutation too). Here the counts stay on the device (the
+grouped GEMM takes device offsets), the identity sort is skipped, and both directions of the permutation are gathers
+whose reduction over a token's top-k rows is a sum, neither atomic nor rounded per added row.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from typing import Any
 
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from torch import Tensor
 
 
@@ -69,3 +78,83 @@ class GroupedGemmExperts(SequentialMLP):
             h = _glu(c, h) if c.gated_linear_unit else c.activation_func(h)
             h = (h * scale).to(x.dtype)
         return torch.nn.functional.grouped_mm(h, fc2, offs=offsets), None
+
+
+class _ToExperts(torch.autograd.Function):
+    """`tokens[order]`: each token once per chosen expert, expert-major. Backward: each token's k gradient rows summed
+    (gathered by `by_token`), where `index_select`'s own backward would `index_add_` them."""
+
+    @staticmethod
+    def forward(ctx: Any, tokens: Tensor, order: Tensor, by_token: Tensor, k: int) -> Tensor:
+        ctx.save_for_backward(by_token)
+        ctx.k = k
+        return tokens.index_select(0, order)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        (by_token,) = ctx.saved_tensors
+        return _sum_per_token(grad, by_token, ctx.k), None, None, None
+
+
+class _ToTokens(torch.autograd.Function):
+    """The inverse of `_ToExperts`: each token's k expert rows summed. Backward: `grad[order]`."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: Tensor, order: Tensor, by_token: Tensor, k: int) -> Tensor:
+        ctx.save_for_backward(order)
+        return _sum_per_token(rows, by_token, k)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        (order,) = ctx.saved_tensors
+        return grad.index_select(0, order), None, None, None
+
+
+def _sum_per_token(rows: Tensor, by_token: Tensor, k: int) -> Tensor:
+    return rows.index_select(0, by_token).view(-1, k, rows.shape[-1]).sum(1)
+
+
+class InRankTokenDispatcher(MoEAlltoAllTokenDispatcher):
+    """The all-to-all dispatcher with every expert on this rank (see the module docstring). `build_model` swaps the
+    class of a built dispatcher that `applies`; the shared-expert hooks and the EP/TP all-to-alls (no-ops with one
+    rank) stay the base class's."""
+
+    @staticmethod
+    def applies(dispatcher: Any) -> bool:
+        c = dispatcher.config
+        return (type(dispatcher) is MoEAlltoAllTokenDispatcher and dispatcher.ep_size == 1 and dispatcher.tp_size == 1
+                and c.moe_expert_capacity_factor is None and not c.moe_pad_expert_input_to_capacity
+                and not c.moe_router_padding_for_quantization and not c.moe_permute_fusion)
+
+    def dispatch_preprocess(self, hidden_states: Tensor, routing_map: Tensor, probs: Tensor) -> tuple[Tensor, Tensor]:
+        self.hidden_shape = hidden_states.shape
+        self.probs, self.routing_map = probs, routing_map
+        tokens = hidden_states.view(-1, self.hidden_shape[-1])
+        self.tokens_per_expert = routing_map.sum(dim=0)
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(hidden_states.view(self.hidden_shape))
+        # Every token picks exactly top-k experts (dropless): the first N·k of the expert-major flattened map.
+        n, k = routing_map.shape[0], self.config.moe_router_topk
+        flat = routing_map.T.reshape(-1).argsort(descending=True, stable=True)[: n * k]
+        self._order = flat % n
+        self._by_token = self._order.argsort(stable=True)
+        permuted_probs = probs.T.reshape(-1)[flat]
+        return _ToExperts.apply(tokens, self._order, self._by_token, k), permuted_probs
+
+    def _maybe_dtoh_and_synchronize(self, point: str, tokens_per_expert: Tensor | None = None) -> Tensor | None:
+        return tokens_per_expert  # the counts stay on the device: no copy to the host, no wait
+
+    def dispatch_postprocess(self, global_input_tokens: Tensor, global_probs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        tokens_per_expert, self.tokens_per_expert = self.tokens_per_expert, None
+        return global_input_tokens, tokens_per_expert, global_probs
+
+    def combine_preprocess(self, hidden_states: Tensor) -> Tensor:
+        return hidden_states  # one rank: no sort to undo, no TP reduce-scatter
+
+    def combine_postprocess(self, permutated_local_input_tokens: Tensor) -> Tensor:
+        rows = permutated_local_input_tokens
+        output = _ToTokens.apply(rows, self._order, self._by_token, self.config.moe_router_topk)
+        output = output.view(self.hidden_shape)
+        if self.shared_experts is not None:
+            output = output + self.shared_experts.get_output()
+        return output

@@ -208,10 +208,23 @@ def build_model(
             **model_kwargs,
         )
         _cast_parameters(model, config.params_dtype)
+        _dispatch_in_rank(model)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
+
+
+def _dispatch_in_rank(model: torch.nn.Module) -> None:
+    """MoE layers whose grouped experts all live on this rank take `InRankTokenDispatcher` (grouped_experts.py)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from mrl.engine.megatron.grouped_experts import GroupedGemmExperts, InRankTokenDispatcher
+
+    for module in model.modules():
+        if (isinstance(module, MoELayer) and isinstance(module.experts, GroupedGemmExperts)
+                and InRankTokenDispatcher.applies(module.token_dispatcher)):
+            module.token_dispatcher.__class__ = InRankTokenDispatcher
 
 
 def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
