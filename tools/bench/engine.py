@@ -85,6 +85,7 @@ WORKLOADS = {
     "packed": ([3100, 220, 1750, 4096, 610, 2900, 95, 1280, 3333, 480, 1900], 8192, 0),
     # The MoE GPU step's shape (tools/bench/e2e_gpu.py): 1k-token responses, 16k-token micro-batches.
     "32x1024": ([1024] * 32, 16384, 0),
+    "32x1024-32k": ([1024] * 32, 32768, 0),  # the same step in micro-batches twice as large
 }
 SMOKE_WORKLOADS = {"4x2048": ([32] * 4, 64, 2), "packed": ([40, 7, 25, 60, 13], 64, 0)}
 
