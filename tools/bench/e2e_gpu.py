@@ -1,7 +1,8 @@
 """GPU end to end: mrl's hybrid GRPO step on one device, and vLLM driven directly on the same prompts.
 
-For each shape (Qwen2.5-0.5B / 1.5B, or `moe2.6b`: a Qwen3-MoE with 64 experts, top-8, 2.6B parameters of which about
-0.5B active; random bf16 weights, the demo's character tokenizer), in one process:
+For each shape (Qwen2.5-0.5B / 1.5B, or a Qwen3-MoE with 64 experts, top-8: `moe2.6b`, 2.6B parameters of which about
+0.5B active, or `moe2.9b`, Qwen3-30B-A3B's layer widths in 8 layers; random bf16 weights, the demo's character
+tokenizer), in one process:
 1. mrl cold: `build_trainer` (Ray, Megatron actor, vLLM replica, agent loops) timed, then `--steps` steps of
    hybrid GRPO with responses of exactly `--response-length` tokens (ignore EOS), nothing of the training state
    offloaded (it fits beside the engine on an H200). Per step: gen, old log-prob, update, the sync's parts
