@@ -66,17 +66,8 @@ SHAPES = {
         num_key_value_heads=2,
         head_dim=16,
     ),
-    "smoke-moe": dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-    ),
 }
+SHAPES["smoke-moe"] = dict(SHAPES["smoke"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 # name → (document lengths of one step, token budget of one micro-batch of ours, rows per local micro-batch)
 WORKLOADS = {
     "4x2048": ([2048] * 8, 8192, 4),
