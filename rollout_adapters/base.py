@@ -42,6 +42,10 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
     "seed": None,
     "stop_token_ids": (),  # extra stop tokens; EOS stops too unless ignore_eos
     "ignore_eos": False,
+    # Also return each prompt token's log-prob given the tokens before it, in TokenOutput.extra["prompt_log_probs"]
+    # (one per prompt token, 0.0 for the first, which has none). Untempered: vLLM applies no sampling processor to
+    # prompt tokens. A distillation teacher on replicas of its own scores the student's samples so.
+    "prompt_logprobs": False,
 }
 
 # The tags of `wake_up`, in the order a hybrid replica must restore them: weights first (so they can be
@@ -134,6 +138,8 @@ class RolloutAdapter(ABC):
 
     backend: str = ""
     supports_pipeline_parallel: bool = False
+    # Whether `generate` returns prompt log-probs when the sampling dict asks (`prompt_logprobs`).
+    serves_prompt_logprobs: bool = False
     supports_tensor_parallel: bool = False
 
     def __init__(self, max_model_len: int) -> None:
@@ -153,6 +159,9 @@ class RolloutAdapter(ABC):
                        lora_name: str | None = None) -> TokenOutput:
         """`lora_name`: the loaded LoRA adapter to sample with (None: the current one, `self.lora_name`)."""
         params = normalize_sampling(sampling_params)
+        if params["prompt_logprobs"] and not self.serves_prompt_logprobs:
+            raise ValueError(f"sampling prompt_logprobs: the {self.backend or type(self).__name__} adapter does not "
+                             "return prompt log-probs (vllm and hf do)")
         lora = lora_name or self.lora_name
         budget = token_budget(len(prompt_ids), params["max_tokens"], self.max_model_len)
         self._waiting += 1

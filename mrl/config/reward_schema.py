@@ -86,10 +86,22 @@ class DistillConfig:
     # each model token's advantage gains coef × (teacher − student log-prob of that token). The student's is π_old
     # (at rollout.temperature, like the teacher's), so distillation turns off actor.on_policy_first_update.
     enable: bool = False
-    # HF folder of the teacher: a causal LM with a bridge whose tokenizer has the student's vocabulary (start-up
-    # refuses another: a token id would name another token). It lives in the actor's processes like the reference
-    # (ref.megatron's layout, forward-only engine, offloaded with it) and routes its own experts under R3.
+    # HF folder of the teacher: a causal LM whose tokenizer has the student's vocabulary (start-up refuses another: a
+    # token id would name another token).
     teacher_path: str = ""
+    # colocated: in the actor's processes like the reference (ref.megatron's layout, a forward-only engine offloaded
+    # with it; the teacher needs a bridge and routes its own experts under R3), scored at rollout.temperature.
+    # pool: `num_replicas` rollout replicas of its own (devices or CPU workers apart from the trainer's), scored by
+    # their prompt log-probs, which are untempered: rollout.temperature must be 1 (mrl/reward/teacher_replicas.py).
+    placement: str = "colocated"
+    # pool: the teacher's rollout backend (vllm or hf: those return prompt log-probs).
+    backend: str = "vllm"
+    # pool: replicas of the teacher; each engine batches its share of a step's samples.
+    num_replicas: int = 1
+    # pool: devices (tensor-parallel ranks) of one teacher replica.
+    tensor_model_parallel_size: int = 1
+    # pool: the teacher engine's dtype; None: the policy rollout's (rollout.dtype, else actor params_dtype).
+    dtype: str | None = None
     # Weight of the distillation advantage.
     coef: float = 1.0
     # add: added to the task reward's advantage; alone: the distillation advantage only (the reward is still

@@ -38,6 +38,8 @@ class VLLMPDAdapter(VLLMAdapter):
     """VLLMAdapter whose requests carry `kv_transfer_params` (vLLM's SamplingParams.extra_args) and report the ones
     the engine returns (RequestOutput.kv_transfer_params)."""
 
+    serves_prompt_logprobs = False  # a decode member never sees the prompt's logits
+
     async def _generate(
         self, request_id: str, prompt_ids: list[int], params: dict[str, Any], budget: int
     ) -> tuple[list[int], list[float], StopReason]:

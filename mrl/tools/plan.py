@@ -181,7 +181,8 @@ def _frozen_shapes(cfg: DictConfig, problems: list[str]) -> dict[str, ModelShape
     model `rm:<name>` (its folder's config.json, or a built-in shape named like it; a reward model under its score
     head)."""
     d = cfg.algorithm.distill
-    folders = [("teacher", "algorithm.distill.teacher_path", d.teacher_path, False)] if d.enable else []
+    beside = d.enable and d.placement == "colocated"  # a pool's teacher is on devices of its own
+    folders = [("teacher", "algorithm.distill.teacher_path", d.teacher_path, False)] if beside else []
     folders += [(f"rm:{m.name}", f"reward.models[{k}].path", m.path, True)
                 for k, m in enumerate(cfg.reward.models) if m.placement == "colocated"]
     shapes = {}

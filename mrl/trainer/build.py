@@ -18,6 +18,7 @@ from mrl.controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from mrl.data.datasets import RLDataset
 from mrl.reward.evaluator import RewardEvaluator
 from mrl.reward.models import RewardModels
+from mrl.reward.teacher_replicas import ReplicaTeacher
 from mrl.rollout.agent_loop import AgentLoopManager
 from mrl.rollout.agent_loop.tools import load_tools
 from mrl.rollout.manager import LLMServerManager
@@ -62,13 +63,28 @@ def rollout_spec(c: MrlConfig) -> ReplicaSpec:
     )
 
 
+def start_own_replicas(backend: str, path: str, tp: int, replicas: int, max_model_len: int, dtype: str
+                       ) -> LLMServerManager:
+    """Replicas of a model in the loop (a generative reward model, a distillation teacher), each in a standalone
+    pool of its own, launching (not waited for: the engines load while the trainer's other parts start)."""
+    footprint = Footprint(tp=tp)
+    spec = ReplicaSpec(backend=backend, model_path=path, footprint=footprint, max_model_len=max_model_len, dtype=dtype)
+    return LLMServerManager.create(spec, "standalone", num_devices=replicas * footprint.devices, wait=False)
+
+
 def start_judge(m: RewardModelConfig, dtype: str) -> LLMServerManager:
-    """A generative reward model's replicas, each in a standalone pool of its own, launching (not waited for:
-    the engines load while the trainer's other parts start). `dtype`: the engine's when `m.dtype` is None."""
-    footprint = Footprint(tp=m.tensor_model_parallel_size)
-    spec = ReplicaSpec(backend=m.backend, model_path=m.path, footprint=footprint, max_model_len=m.max_model_len,
-                       dtype=m.dtype or dtype)
-    return LLMServerManager.create(spec, "standalone", num_devices=m.num_replicas * footprint.devices, wait=False)
+    """A generative reward model's replicas. `dtype`: the engine's when `m.dtype` is None."""
+    return start_own_replicas(m.backend, m.path, m.tensor_model_parallel_size, m.num_replicas, m.max_model_len,
+                              m.dtype or dtype)
+
+
+def start_teacher(c: MrlConfig, dtype: str) -> ReplicaTeacher:
+    """algorithm.distill's teacher on replicas of its own (placement pool); room for the longest sample and the one
+    token each request decodes."""
+    d = c.algorithm.distill
+    longest = c.data.max_prompt_length + c.data.max_response_length
+    return ReplicaTeacher(start_own_replicas(d.backend, d.teacher_path, d.tensor_model_parallel_size, d.num_replicas,
+                                             longest + 1, d.dtype or dtype))
 
 
 def start_reward_models(models: list[RewardModelConfig], tokenizer_path: str, dtype: str) -> RewardModels:
@@ -187,11 +203,18 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
         reward_models = start_reward_models(c.reward.models, tokenizer_path, spec.dtype) if c.reward.models else None
         if reward_models is not None:
             undo.callback(reward_models.close)
+        distill = c.algorithm.distill
+        teacher = start_teacher(c, spec.dtype) if distill.enable and distill.placement == "pool" else None
+        if teacher is not None:
+            undo.callback(teacher.close)
         rollout.wait_started()
         progress(f"rollout replicas serving ({c.rollout.name})")
         if reward_models is not None and reward_models.judges:
             reward_models.wait_started()
             progress(f"reward judges serving ({', '.join(reward_models.judges)})")
+        if teacher is not None:
+            teacher.wait_started()
+            progress(f"distillation teacher's replicas serving ({distill.backend})")
         for ready in engines_ready:
             ready.get()
         progress("Megatron engines built, weights loaded" + (" (actor and critic)" if critic is not None else ""))
@@ -214,6 +237,7 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
         reward=reward,
         critic=critic,
         reward_models=reward_models,
+        teacher=teacher,
     )
     parts.pool = pool  # type: ignore[attr-defined]
     progress(f"agent loops ready ({c.rollout.agent_loop_workers} worker(s)); training starts")
@@ -240,6 +264,8 @@ def shutdown(trainer: PPOTrainer) -> None:
     p.reward.close()
     if p.reward_models is not None:  # discriminative actors and the judges' replicas
         p.reward_models.close()
+    if p.teacher is not None:
+        p.teacher.close()
     p.agent_loops.shutdown()
     p.rollout.shutdown()
     p.actor_rollout.kill()

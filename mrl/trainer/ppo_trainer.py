@@ -27,6 +27,7 @@ from mrl.algo.rollout_correction import correction_metrics
 from mrl.config.schema import MrlConfig
 from mrl.data.batch import Batch
 from mrl.data.datasets import RLDataset
+from mrl.data.jagged import JaggedTensor
 from mrl.data.replay_buffer import ReplayBuffer, pad_with_noops
 from mrl.data.sample_store import SampleStore
 from mrl.data.samples import light_batch, put_noop_payloads
@@ -34,6 +35,7 @@ from mrl.reward.errors import RewardErrors
 from mrl.reward.evaluator import RewardEvaluator, RewardItem
 from mrl.reward.judge import JudgeInput, prompt_text
 from mrl.reward.models import RewardModels, combine, reward_score_field
+from mrl.reward.teacher_replicas import ReplicaTeacher
 from mrl.trainer import batching, checkpointing
 from mrl.trainer.metrics import (
     ModelFlops,
@@ -63,6 +65,7 @@ class TrainerParts:
     critic: Any = None
     store: SampleStore | None = None  # where trajectories' per-token data lives (the agent loops' store)
     reward_models: RewardModels | None = None  # reward.models, scored beside the rule reward
+    teacher: ReplicaTeacher | None = None  # algorithm.distill's teacher on replicas of its own (placement pool)
 
 
 def mean_over_updates(per_rank: list[dict[str, Any]], prefix: str = "critic") -> dict[str, float]:
@@ -143,7 +146,7 @@ class PPOTrainer:
                 self.parts.actor_rollout.compute_ref_log_prob(batch)
         if self.config.algorithm.distill.enable:
             with t("teacher"):
-                self.parts.actor_rollout.compute_teacher_log_prob(batch)
+                self.compute_teacher_log_prob(batch)
         if self.parts.critic is not None:
             with t("values"):
                 self.parts.critic.compute_values(batch)
@@ -368,6 +371,18 @@ class PPOTrainer:
         self.old_log_prob_share = min(sum(r["rows"] for r in per_rank) / max(len(batch), 1), 1.0)
         return {**batching.mismatch_over_ranks(per_rank), **batching.routing_over_ranks(per_rank),
                 **correction_metrics([r["correction"] for r in per_rank], self.global_steps)}
+
+    def compute_teacher_log_prob(self, batch: Batch) -> None:
+        """`teacher_log_prob` of every token into the store: by the frozen teacher beside the actor, or by the
+        teacher's own replicas (placement pool), which score each row's prompt + response as one prompt."""
+        if self.parts.teacher is None:
+            self.parts.actor_rollout.compute_teacher_log_prob(batch)
+            return
+        keys = list(batch["key"])
+        ids = self.store.get_jagged(keys, ["input_ids"])["input_ids"].to_list()
+        scored = self.parts.teacher.log_probs([row.tolist() for row in ids])
+        column = JaggedTensor.from_list([torch.tensor(row, dtype=torch.float32) for row in scored])
+        self.store.update_jagged(keys, {"teacher_log_prob": column})
 
     def compute_advantage(self, batch: Batch) -> Batch:
         """Outcome estimators give one scalar per sample (`advantage`, a column of the light batch); GAE (the

@@ -156,7 +156,8 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
         self.actor = TrainingWorker(self._engine("actor"))
         if self.with_ref and not self.config.actor.lora.enable:  # LoRA: the reference is the actor, adapters off
             self.ref = TrainingWorker(self._engine("ref"))
-        if self.config.algorithm.distill.enable:
+        distill = self.config.algorithm.distill
+        if distill.enable and distill.placement == "colocated":  # a pool's teacher has replicas of its own
             self.teacher = TrainingWorker(self._engine("teacher"))
         from mrl.engine.megatron.critic import MegatronRewardModel
 

@@ -56,6 +56,7 @@ NOT_APPLICABLE = frozenset({
 
 class HFAdapter(RolloutAdapter):
     backend = "hf"
+    serves_prompt_logprobs = True
 
     def __init__(
         self,
@@ -104,11 +105,12 @@ class HFAdapter(RolloutAdapter):
 
     @torch.no_grad()
     def _forward(self, new_ids: list[int], cache) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Next-token logits and, with routed experts on, the fed tokens' routing [len(new_ids), L, K]."""
+        """The fed tokens' logits [len(new_ids), V] (fp32) and, with routed experts on, their routing
+        [len(new_ids), L, K]."""
         self._routed = []
         out = self.model(input_ids=torch.tensor([new_ids]), past_key_values=cache, use_cache=True)
         routing = torch.stack(self._routed, dim=1) if self._routers else None
-        return out.logits[0, -1].float(), routing
+        return out.logits[0].float(), routing
 
     async def _generate(
         self, request_id: str, prompt_ids: list[int], params: dict[str, Any], budget: int
@@ -123,6 +125,7 @@ class HFAdapter(RolloutAdapter):
         ids: list[int] = []
         lps: list[float] = []
         routed: list[torch.Tensor] = []
+        extra: dict[str, Any] = {}
         feed = prompt_ids
         reason: StopReason = "length"
         while len(ids) < budget:
@@ -130,6 +133,10 @@ class HFAdapter(RolloutAdapter):
                 reason = "aborted"
                 break
             logits, routing = await self._run(self._forward, feed, cache)
+            if feed is prompt_ids and params["prompt_logprobs"]:  # untempered, as vLLM gives them
+                scores = torch.log_softmax(logits[:-1], dim=-1).gather(-1, torch.tensor(prompt_ids[1:]).unsqueeze(-1))
+                extra["prompt_log_probs"] = [0.0, *scores.squeeze(-1).tolist()]
+            logits = logits[-1]
             if routing is not None:
                 routed.append(routing)
             if self._abort_epoch != epoch:
@@ -143,7 +150,8 @@ class HFAdapter(RolloutAdapter):
                 break
             feed = [token]
         # Routing of every token fed: the prompt and all sampled tokens but the last (vLLM's layout too).
-        extra = {"routed_experts": torch.cat(routed)} if routed else {}
+        if routed:
+            extra["routed_experts"] = torch.cat(routed)
         return ids, lps, reason, extra
 
     async def _abort_running(self) -> None:

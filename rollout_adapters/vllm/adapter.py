@@ -43,6 +43,7 @@ def to_vllm_sampling(params: dict[str, Any], budget: int):
         top_k=params["top_k"],
         max_tokens=budget,
         logprobs=0 if params["logprobs"] else None,
+        prompt_logprobs=0 if params["prompt_logprobs"] else None,
         seed=params["seed"],
         stop_token_ids=list(params["stop_token_ids"]),
         ignore_eos=params["ignore_eos"],
@@ -53,6 +54,7 @@ def to_vllm_sampling(params: dict[str, Any], budget: int):
 
 class VLLMAdapter(RolloutAdapter):
     backend = "vllm"
+    serves_prompt_logprobs = True
     supports_pipeline_parallel = True
     supports_tensor_parallel = True
 
@@ -187,9 +189,10 @@ class VLLMAdapter(RolloutAdapter):
             lora = self._lora
         out = await self._run(request_id, prompt_ids, to_vllm_sampling(params, budget), lora)
         ids, lps, reason = sample_result(out)
-        if self.moe_layers is None:
-            return ids, lps, reason
-        return ids, lps, reason, routing_extra(out, len(prompt_ids), self.moe_layers)
+        extra = {"prompt_log_probs": prompt_log_probs(out, prompt_ids)} if params["prompt_logprobs"] else {}
+        if self.moe_layers is not None:
+            extra.update(routing_extra(out, len(prompt_ids), self.moe_layers))
+        return (ids, lps, reason, extra) if extra else (ids, lps, reason)
 
     async def _run(self, request_id: str, prompt_ids: list[int], sampling: Any, lora: Any = None) -> Any:
         """Submit one request and wait for its final RequestOutput (aborted in the engine if the caller is
@@ -290,6 +293,15 @@ def sample_result(out: Any) -> tuple[list[int], list[float], StopReason]:
     ids = list(sample.token_ids)
     lps = [step[tok].logprob for step, tok in zip(sample.logprobs, ids)] if sample.logprobs else []
     return ids, lps, _STOP_REASONS.get(sample.finish_reason, "stop")
+
+
+def prompt_log_probs(out: Any, prompt_ids: list[int]) -> list[float]:
+    """Each prompt token's log-prob given the tokens before it (0.0 for the first) from a RequestOutput asked for
+    prompt_logprobs=0 (each position holds the prompt token's entry, and the top one when it differs)."""
+    steps = out.prompt_logprobs or []
+    if len(steps) != len(prompt_ids):
+        raise RuntimeError(f"vLLM returned {len(steps)} prompt log-probs for a prompt of {len(prompt_ids)} tokens")
+    return [0.0] + [step[tok].logprob for step, tok in zip(steps[1:], prompt_ids[1:])]
 
 
 def routed_moe_layers(model_path: str, on_gpu: bool) -> list[int]:

@@ -69,3 +69,20 @@ def test_greedy_stop_tokens_and_context_budget(manager, hf_models):
     assert len(tail.token_ids) == 5 and tail.stop_reason == "length", "budget = min(max_tokens, context - prompt)"
     full = run(client.generate("gen-full", long_prompt + [1] * 10, {"max_tokens": 10}))
     assert full.token_ids == [] and full.stop_reason == "length"
+
+
+def test_prompt_log_probs_equal_an_untempered_hf_forward(manager, hf_models):
+    """What a distillation teacher on replicas of its own reads (algorithm.distill.placement=pool): each prompt
+    token's log-prob given the tokens before it, untempered whatever the request's temperature."""
+    from mrl.algo.distill import sampled_token_log_probs
+
+    sequence = PROMPT * 3
+    out = run(manager.client().generate("gen-prompt-lp", sequence,
+                                        {"temperature": 0.7, "max_tokens": 1, "prompt_logprobs": True}))
+    ids = torch.tensor([sequence])
+    with torch.no_grad():
+        logits = hf_models[0](ids).logits.float()
+    got = torch.tensor(out.extra["prompt_log_probs"])
+    assert len(got) == len(sequence) and got[0] == 0.0
+    assert float((got[1:] - sampled_token_log_probs(logits, ids)[0]).abs().max()) <= 1e-4
+    assert float((got[1:] - sampled_token_log_probs(logits / 0.7, ids)[0]).abs().max()) > 1e-2  # not tempered

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from trainer_fixtures import KeepsStepTensors
+from trainer_fixtures import KeepsStepTensors, demo_student_and_teacher, distill_overrides
 
 from mrl.algo.distill import sampled_token_log_probs
 from mrl.config.startup.loader import load_config
@@ -26,7 +26,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 TEMPERATURE = 0.8  # not 1: the teacher's log-probs must be those of the distribution the rollout sampled
 STEPS = 12
-TEACHER_SFT_STEPS = 150  # on top of the student's 75: the teacher reaches 100 % held-out (plain HF, seed 1)
 
 
 class Distilling(KeepsStepTensors, PPOTrainer):
@@ -35,48 +34,26 @@ class Distilling(KeepsStepTensors, PPOTrainer):
 
 @pytest.fixture(scope="module")
 def run(ray_cluster, tmp_path_factory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from mrl.data.synthetic import greedy_accuracy, reverse_rows, supervised_warmup
-    from mrl.demo import REWARD_FN, prepare
+    from transformers import AutoModelForCausalLM
 
     start = time.monotonic()
-    timings = {}
     root = tmp_path_factory.mktemp("distill")
-    torch.manual_seed(1)
-    paths = prepare(root, length=4, warmup_steps=75, seed=1, report_start=False)  # the demo's start: the student
-    tokenizer = AutoTokenizer.from_pretrained(paths["model"])
-    teacher = AutoModelForCausalLM.from_pretrained(paths["model"], dtype=torch.float32)
-    train_rows, val_rows = reverse_rows(4, n_train=2000, n_val=64, seed=1)  # the rows `prepare` wrote
-    supervised_warmup(teacher, tokenizer, train_rows, TEACHER_SFT_STEPS, seed=2)
-    teacher_acc = greedy_accuracy(teacher, tokenizer, val_rows)
-    timings["models"] = time.monotonic() - start
-    teacher.save_pretrained(str(root / "teacher"))
-    tokenizer.save_pretrained(str(root / "teacher"))
-    cfg = load_config("tiny/grpo", [
-        f"model.path={paths['model']}", f"data.train_files=[{paths['train']}]", f"data.val_files=[{paths['val']}]",
-        # one update of 128 samples a step: with two of 64 (or lr 2e-3) the student's accuracy swings, see
-        # docs/reward_models.md
-        "data.max_response_length=8", "data.train_batch_size=32", "actor.ppo_mini_batch_size=32", "rollout.name=vllm",
-        "rollout.n=4", f"rollout.temperature={TEMPERATURE}", f"trainer.total_training_steps={STEPS}",
-        f"trainer.test_freq={STEPS // 2}", "trainer.seed=1",
-        f"trainer.default_local_dir={root / 'run'}", f"reward.reward_fn='{REWARD_FN}'", "actor.optim.lr=1e-3",
-        "algorithm.distill.enable=true", f"algorithm.distill.teacher_path={root / 'teacher'}",
-        "algorithm.distill.mode=alone",
-    ])
-    built = build_trainer(cfg)
+    made = demo_student_and_teacher(root)
+    made_s = time.monotonic() - start
+    built = build_trainer(load_config("tiny/grpo", distill_overrides(made, root, STEPS, TEMPERATURE)))
     trainer = Distilling(built.config, built.parts, built.logger)
     try:
         history = trainer.fit()
     finally:
         shutdown(trainer)
     seconds = time.monotonic() - start
-    print(f"student and teacher made in {timings['models']:.0f} s", flush=True)
-    print(f"distillation: teacher {teacher_acc:.3f}, student "
+    print(f"student and teacher made in {made_s:.0f} s", flush=True)
+    print(f"distillation: teacher {made['teacher_acc']:.3f}, student "
           f"{[(h['step'], h['val/greedy_acc']) for h in history if 'val/greedy_acc' in h]}, "
           f"distill/kl {[round(h['distill/kl'], 4) for h in history if 'distill/kl' in h]}, {seconds:.0f} s")
-    return {"history": history, "teacher_acc": teacher_acc, "step_tensors": trainer.step_tensors,
-            "teacher": teacher, "student": AutoModelForCausalLM.from_pretrained(paths["model"], dtype=torch.float32)}
+    return {"history": history, "teacher_acc": made["teacher_acc"], "step_tensors": trainer.step_tensors,
+            "teacher": made["teacher_model"],
+            "student": AutoModelForCausalLM.from_pretrained(made["model"], dtype=torch.float32)}
 
 
 def test_teacher_log_probs_equal_a_plain_hf_forward_at_the_rollout_temperature(run):

@@ -135,3 +135,42 @@ def trainer_gap(trainer: Any, key: str, prompt_ids: list[int], out: Any) -> dict
         return batching.mismatch_over_ranks(trainer.parts.actor_rollout.compute_log_prob(batch))
     finally:
         trainer.store.delete(keys)
+
+
+TEACHER_SFT_STEPS = 150  # on top of the student's 75: the teacher reaches 100 % held-out (plain HF, seed 1)
+
+
+def demo_student_and_teacher(root: Path) -> dict[str, Any]:
+    """The demo's student (2 layers after its 75-step warm-up) and a teacher that knows the task (the same start with
+    more supervised steps, plain HF, seconds): their folders and data files, the teacher model and its held-out
+    greedy accuracy."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mrl.data.synthetic import greedy_accuracy, reverse_rows, supervised_warmup
+    from mrl.demo import prepare
+
+    torch.manual_seed(1)
+    paths = prepare(root, length=4, warmup_steps=75, seed=1, report_start=False)  # the demo's start: the student
+    tokenizer = AutoTokenizer.from_pretrained(paths["model"])
+    teacher = AutoModelForCausalLM.from_pretrained(paths["model"], dtype=torch.float32)
+    train_rows, val_rows = reverse_rows(4, n_train=2000, n_val=64, seed=1)  # the rows `prepare` wrote
+    supervised_warmup(teacher, tokenizer, train_rows, TEACHER_SFT_STEPS, seed=2)
+    teacher.save_pretrained(str(root / "teacher"))
+    tokenizer.save_pretrained(str(root / "teacher"))
+    return {**paths, "teacher": str(root / "teacher"), "teacher_model": teacher,
+            "teacher_acc": greedy_accuracy(teacher, tokenizer, val_rows)}
+
+
+def distill_overrides(made: dict[str, Any], root: Path, steps: int, temperature: float) -> list[str]:
+    """The distillation runs' settings (mode alone, one update of 128 samples a step: with two of 64, or lr 2e-3,
+    the student's accuracy swings, see docs/reward_models.md)."""
+    from mrl.demo import REWARD_FN
+
+    return [
+        f"model.path={made['model']}", f"data.train_files=[{made['train']}]", f"data.val_files=[{made['val']}]",
+        "data.max_response_length=8", "data.train_batch_size=32", "actor.ppo_mini_batch_size=32", "rollout.name=vllm",
+        "rollout.n=4", f"rollout.temperature={temperature}", f"trainer.total_training_steps={steps}",
+        f"trainer.test_freq={steps // 2}", "trainer.seed=1", f"trainer.default_local_dir={root / 'run'}",
+        f"reward.reward_fn='{REWARD_FN}'", "actor.optim.lr=1e-3", "algorithm.distill.enable=true",
+        f"algorithm.distill.teacher_path={made['teacher']}", "algorithm.distill.mode=alone",
+    ]

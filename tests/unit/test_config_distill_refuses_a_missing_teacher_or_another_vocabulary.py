@@ -1,7 +1,8 @@
 """Start-up rules of `algorithm.distill`: enabling it needs a teacher folder that exists and is a causal LM with a
 bridge; a teacher whose tokenizer differs from the student's is refused (it would score other tokens), and so is
-one without a tokenizer to compare; its shape must fit ref.megatron, the layout its engine runs on; mode alone
-refuses the settings only a task advantage reads. Each refusal is one line naming the setting."""
+one without a tokenizer to compare; its shape must fit ref.megatron, the layout its engine runs on (beside the actor);
+mode alone refuses the settings only a task advantage reads; a teacher on replicas of its own needs a backend with
+prompt log-probs and rollout.temperature 1. Each refusal is one line naming the setting."""
 
 import json
 
@@ -82,3 +83,20 @@ def test_mode_alone_refuses_what_only_the_task_advantage_reads(folders):
     assert refused(folders, "same", algorithm__distill__mode="add", algorithm__use_kl_in_reward=True,
                    critic__enable=True) == {}
     assert "one of add, alone" in refused(folders, "same", algorithm__distill__mode="both")["algorithm.distill.mode"]
+
+
+def test_a_teacher_on_replicas_of_its_own_needs_prompt_log_probs_at_temperature_1(folders):
+    pool = {"algorithm__distill__placement": "pool", "rollout__temperature": 1.0}
+    assert refused(folders, "same", **pool) == {}
+    # its own engine serves it: no bridge and no ref.megatron layout of the trainer's is needed
+    assert "tokenizer loads" in refused(folders, "gpt", **pool)[TEACHER]  # its one complaint: no bridge is asked
+    assert refused(folders, "three_heads", **pool, resources__n_gpus_per_node=2,
+                   actor__megatron__tensor_model_parallel_size=2, ref__megatron__tensor_model_parallel_size=2) == {}
+    tempered = refused(folders, "same", **{**pool, "rollout__temperature": 0.8})
+    assert list(tempered) == ["rollout.temperature"]
+    assert "untempered prompt log-probs" in tempered["rollout.temperature"]
+    sglang = refused(folders, "same", **pool, algorithm__distill__backend="sglang")
+    assert list(sglang) == ["algorithm.distill.backend"] and "prompt log-probs" in sglang["algorithm.distill.backend"]
+    assert "one of colocated, pool" in refused(folders, "same", algorithm__distill__placement="remote")[
+        "algorithm.distill.placement"]
+    assert "differs" in refused(folders, "other", **pool)[TEACHER]  # the vocabulary rule holds in a pool too

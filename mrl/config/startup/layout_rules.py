@@ -59,7 +59,8 @@ def _engine_knobs(cfg: DictConfig, _: bool) -> Iterator[Violation]:
                                                             "it needs tensor_model_parallel_size > 1")
     kl = _get(cfg, "actor.use_kl_loss") or _get(cfg, "algorithm.use_kl_in_reward")
     colocated = any(m.placement == "colocated" for m in _get(cfg, "reward.models") or [])
-    if (kl and not _get(cfg, "actor.lora.enable")) or _get(cfg, "algorithm.distill.enable") or colocated:
+    teacher = _get(cfg, "algorithm.distill.enable") and _get(cfg, "algorithm.distill.placement") == "colocated"
+    if (kl and not _get(cfg, "actor.lora.enable")) or teacher or colocated:
         # The reference engine, the distillation teacher and colocated reward models (on ref.megatron) live in the
         # actor's processes, and Megatron's parallel state is per process. (LoRA builds no reference: the actor
         # with its adapters off.)

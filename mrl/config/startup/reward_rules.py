@@ -209,8 +209,13 @@ def _distill(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
     d = cfg.algorithm.distill
     if d.mode not in ("add", "alone"):
         yield Violation("algorithm.distill.mode", d.mode, "one of add, alone")
+    if d.placement not in ("colocated", "pool"):
+        yield Violation("algorithm.distill.placement", d.placement, "one of colocated, pool")
     if not d.enable:
         return
+    pool = d.placement == "pool"
+    if pool:
+        yield from _teacher_pool(cfg, d)
     if d.mode == "alone":  # no task advantage is computed: what only it reads would be dropped, or missing
         for setting in ("algorithm.use_kl_in_reward", "critic.enable"):
             if _get(cfg, setting):
@@ -229,7 +234,8 @@ def _distill(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
         return
     with open(config_file) as f:
         hf = json.load(f)
-    yield from _frozen_engine_shape(cfg, key, path, hf, "the teacher")
+    if not pool:  # a pool's teacher runs on its own engine, which needs no bridge and no layout of the trainer's
+        yield from _frozen_engine_shape(cfg, key, path, hf, "the teacher")
     student = str(cfg.model.tokenizer_path or cfg.model.path)
     try:
         same = _same_vocabulary(path, student)
@@ -240,6 +246,23 @@ def _distill(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
     if not same:
         yield Violation(key, path, f"the teacher's tokenizer must be the student's ({student}): it differs, so its "
                                    "log-prob of a sampled token id would score another token")
+
+
+def _teacher_pool(cfg: DictConfig, d: DictConfig) -> Iterator[Violation]:
+    """A teacher on replicas of its own: a backend that returns prompt log-probs, and the untempered distribution
+    they come from as the student's (the teacher's signal is teacher − student log-prob of each sampled token)."""
+    if d.backend not in ("vllm", "hf"):
+        yield Violation("algorithm.distill.backend", d.backend, "vllm or hf with placement=pool: the teacher's "
+                                                                "replicas must return prompt log-probs")
+    temperature = _get(cfg, "rollout.temperature")
+    if temperature != 1.0:
+        yield Violation("rollout.temperature", temperature, "1.0 with algorithm.distill.placement=pool: the "
+                                                            "teacher's replicas give untempered prompt log-probs, so "
+                                                            "the student's must be untempered too (colocated "
+                                                            "scores at any temperature)")
+    for setting in ("num_replicas", "tensor_model_parallel_size"):
+        if int(d[setting]) < 1:
+            yield Violation(f"algorithm.distill.{setting}", d[setting], ">= 1")
 
 
 def _frozen_engine_shape(cfg: DictConfig, key: str, path: str, hf: dict, whose: str, classifier: bool = False
