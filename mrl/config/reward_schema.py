@@ -19,9 +19,11 @@ class RewardModelConfig:
     # Weight of this model's score in the sample's reward (added to reward.rule_weight × the rule reward).
     weight: float = 1.0
     # pool: devices or CPU workers of its own (discriminative: one Ray actor per model, an HF forward; generative:
-    # `num_replicas` rollout replicas in a standalone pool). colocated (discriminative only, no rerender): a frozen
+    # `num_replicas` rollout replicas in a standalone pool). colocated, discriminative (no rerender): a frozen
     # Megatron engine in each actor worker on ref.megatron's layout, offloaded with the reference around generation,
     # scored in the step once the trainer holds the devices (not in validation; no data.dynamic_sampling).
+    # colocated, generative (rollout.mode hybrid): its replicas on the trainer's devices, asleep (level 1, weights
+    # kept in host memory) while the trainer holds them and awake with the rollout's.
     placement: str = "pool"
     # CPUs of a discriminative model's pool worker (its torch threads).
     num_cpus: int = 1
@@ -54,6 +56,10 @@ class RewardModelConfig:
     max_model_len: int = 4096
     # generative: the judge's engine dtype; None: the policy rollout's (rollout.dtype, else actor params_dtype).
     dtype: str | None = None
+    # generative: share of each device's memory the judge's engine may take (vLLM's gpu_memory_utilization); None:
+    # the engine's default. Colocated, the judge and the rollout are awake together: their shares must fit beside
+    # each other (start-up checks the sum).
+    gpu_memory_utilization: float | None = None
     # generative: sampling temperature of the judge's answer; 0 is greedy.
     temperature: float = 0.0
     # generative: nucleus sampling of the judge's answer (1.0: off).

@@ -97,8 +97,9 @@ def combine(rule_scores: Sequence[float], model_scores: Mapping[str, Sequence[fl
 
 class RewardModels:
     """Every configured reward model: discriminative ones each in a CPU Ray actor of its own (placement `pool`),
-    generative judges each on rollout replicas of its own (mrl/reward/judge.py); the models of one step score
-    concurrently. Colocated ones only have their weight and name here (`colocated`): the actor workers score them."""
+    generative judges each on rollout replicas (mrl/reward/judge.py; of their own, or on the trainer's devices when
+    colocated); the models of one step score concurrently. Colocated discriminative ones only have their weight and
+    name here (`colocated`): the actor workers score them."""
 
     def __init__(self, configs: Sequence[Any], policy_tokenizer: str,
                  judge_replicas: Mapping[str, Any] | None = None) -> None:
@@ -107,11 +108,14 @@ class RewardModels:
         import ray
 
         self.weights = {c.name: float(c.weight) for c in configs}
-        self.colocated = [c.name for c in configs if c.placement == "colocated"]
-        configs = [c for c in configs if c.placement != "colocated"]
+        self.colocated = [c.name for c in configs if c.placement == "colocated" and c.kind == "discriminative"]
+        configs = [c for c in configs if c.name not in self.colocated]
         self.order = [c.name for c in configs]
         replicas = judge_replicas or {}  # judges first: their set-up may fail, and would leave the actors behind
         self.judges = {c.name: GenerativeJudge(c, replicas[c.name]) for c in configs if c.kind == "generative"}
+        # Judges on the trainer's devices: the trainer's hand-over puts them to sleep and wakes them.
+        self.judges_beside_trainer = [replicas[c.name] for c in configs
+                                      if c.kind == "generative" and c.placement == "colocated"]
         self.actors = {
             c.name: ray.remote(num_cpus=c.num_cpus)(SequenceClassifierScorer).remote(
                 c.path, c.max_tokens_per_micro_batch, policy_tokenizer if c.rerender else None)

@@ -184,7 +184,7 @@ def _frozen_shapes(cfg: DictConfig, problems: list[str]) -> dict[str, ModelShape
     beside = d.enable and d.placement == "colocated"  # a pool's teacher is on devices of its own
     folders = [("teacher", "algorithm.distill.teacher_path", d.teacher_path, False)] if beside else []
     folders += [(f"rm:{m.name}", f"reward.models[{k}].path", m.path, True)
-                for k, m in enumerate(cfg.reward.models) if m.placement == "colocated"]
+                for k, m in enumerate(cfg.reward.models) if m.placement == "colocated" and m.kind == "discriminative"]
     shapes = {}
     for role, setting, path, classifier in folders:
         try:

@@ -63,19 +63,24 @@ def rollout_spec(c: MrlConfig) -> ReplicaSpec:
     )
 
 
-def start_own_replicas(backend: str, path: str, tp: int, replicas: int, max_model_len: int, dtype: str
-                       ) -> LLMServerManager:
-    """Replicas of a model in the loop (a generative reward model, a distillation teacher), each in a standalone
-    pool of its own, launching (not waited for: the engines load while the trainer's other parts start)."""
+def start_own_replicas(backend: str, path: str, tp: int, replicas: int, max_model_len: int, dtype: str,
+                       pool: Any = None, gpu_memory_utilization: float | None = None) -> LLMServerManager:
+    """Replicas of a model in the loop (a generative reward model, a distillation teacher), launching (not waited
+    for: the engines load while the trainer's other parts start): each in a standalone pool of its own, or with
+    `pool` (the trainer's) hybrid on its first devices, sleeping and waking with the rollout."""
     footprint = Footprint(tp=tp)
-    spec = ReplicaSpec(backend=backend, model_path=path, footprint=footprint, max_model_len=max_model_len, dtype=dtype)
-    return LLMServerManager.create(spec, "standalone", num_devices=replicas * footprint.devices, wait=False)
+    spec = ReplicaSpec(backend=backend, model_path=path, footprint=footprint, max_model_len=max_model_len, dtype=dtype,
+                       gpu_memory_utilization=gpu_memory_utilization)
+    return LLMServerManager.create(spec, "standalone" if pool is None else "hybrid", pool=pool,
+                                   num_devices=replicas * footprint.devices, wait=False)
 
 
-def start_judge(m: RewardModelConfig, dtype: str) -> LLMServerManager:
-    """A generative reward model's replicas. `dtype`: the engine's when `m.dtype` is None."""
+def start_judge(m: RewardModelConfig, dtype: str, pool: Any = None) -> LLMServerManager:
+    """A generative reward model's replicas (on `pool`, the trainer's, when colocated). `dtype`: the engine's when
+    `m.dtype` is None."""
     return start_own_replicas(m.backend, m.path, m.tensor_model_parallel_size, m.num_replicas, m.max_model_len,
-                              m.dtype or dtype)
+                              m.dtype or dtype, pool if m.placement == "colocated" else None,
+                              m.gpu_memory_utilization)
 
 
 def start_teacher(c: MrlConfig, dtype: str) -> ReplicaTeacher:
@@ -87,13 +92,15 @@ def start_teacher(c: MrlConfig, dtype: str) -> ReplicaTeacher:
                                              longest + 1, d.dtype or dtype))
 
 
-def start_reward_models(models: list[RewardModelConfig], tokenizer_path: str, dtype: str) -> RewardModels:
-    """reward.models, the judges' replicas launching; a failure stops the judges already launched."""
+def start_reward_models(models: list[RewardModelConfig], tokenizer_path: str, dtype: str, pool: Any = None
+                        ) -> RewardModels:
+    """reward.models, the judges' replicas launching (colocated ones on `pool`, the trainer's); a failure stops the
+    judges already launched."""
     with ExitStack() as undo:
         judges = {}
         for m in models:
             if m.kind == "generative":
-                judges[m.name] = start_judge(m, dtype)
+                judges[m.name] = start_judge(m, dtype, pool)
                 undo.callback(judges[m.name].shutdown)
         reward_models = RewardModels(models, tokenizer_path, judges)
         undo.pop_all()  # from here RewardModels.close stops them
@@ -150,6 +157,7 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
     progress(f"data: {len(train_data)} training prompts" + (f", {len(val_data)} held out" if val_data else "")
              + f"; {c.trainer.total_training_steps} steps")
     hybrid = c.rollout.mode == "hybrid"
+    colocated_judges = sum(m.kind == "generative" and m.placement == "colocated" for m in c.reward.models)
     use_gpu = torch.cuda.is_available() if c.trainer.device == "auto" else c.trainer.device == "cuda"
     # A failed start-up releases what it started (workers, engines, placement groups): left behind, they would
     # hold their slots and names, and the next start-up in the same cluster would fail on them.
@@ -157,8 +165,9 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
         pool = RayResourcePool(
             [c.resources.n_gpus_per_node] * c.resources.nnodes,
             use_gpu=use_gpu,
-            # A hybrid replica's server and the critic share each slot with the worker that trains there.
-            max_colocate_count=max(c.resources.max_colocate_count, 1 + hybrid + c.critic.enable),
+            # A hybrid replica's server, the critic and colocated judges' servers share each slot with the worker
+            # that trains there.
+            max_colocate_count=max(c.resources.max_colocate_count, 1 + hybrid + c.critic.enable + colocated_judges),
             name_prefix=f"mrl_{c.trainer.experiment_name}",
             timeout_s=c.resources.start_timeout_s,
         )
@@ -200,7 +209,8 @@ def build_trainer(cfg: DictConfig | MrlConfig, logger: RunLogger | None = None) 
         reward = RewardEvaluator(None if c.reward.reward_fn == "auto" else c.reward.reward_fn,
                                  max_workers=c.reward.num_workers, timeout_s=c.reward.timeout_s)
         undo.callback(reward.close)
-        reward_models = start_reward_models(c.reward.models, tokenizer_path, spec.dtype) if c.reward.models else None
+        reward_models = (start_reward_models(c.reward.models, tokenizer_path, spec.dtype, pool) if c.reward.models
+                         else None)
         if reward_models is not None:
             undo.callback(reward_models.close)
         distill = c.algorithm.distill

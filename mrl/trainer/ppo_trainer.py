@@ -240,6 +240,8 @@ class PPOTrainer:
         rollout.sleep_level) discards the engine's weights, since the sync after the step refills them anyway."""
         with self.timer("handover/sleep"):
             self.parts.rollout.sleep(level=self.config.rollout.sleep_level)
+            for judge in self.judges_beside_trainer:  # level 1: a judge's weights never come back by a sync
+                judge.sleep(level=1)
         with self.timer("handover/onload"):
             self.note_handover("rollout_asleep", "trainer_onloaded", "onload")
 
@@ -249,6 +251,8 @@ class PPOTrainer:
             self.note_handover("trainer_resident", "trainer_offloaded", "offload")
         with self.timer("sync/wake_kv_cache"):
             self.parts.rollout.wake_up(["kv_cache"])
+            for judge in self.judges_beside_trainer:
+                judge.wake_up()
         awake = self.parts.actor_rollout.device_memory()
         self.handover_memory["rollout_awake"] = max(m.get("used", 0.0) for m in awake)
 
@@ -499,6 +503,12 @@ class PPOTrainer:
     def sleeps_rollout(self) -> bool:
         """Hybrid replicas sleep while the trainer has the devices, unless rollout.free_cache_engine is off."""
         return self.config.rollout.mode == "hybrid" and self.config.rollout.free_cache_engine
+
+    @property
+    def judges_beside_trainer(self) -> list[Any]:
+        """The replica managers of colocated generative reward models (asleep and awake with the rollout)."""
+        models = self.parts.reward_models
+        return models.judges_beside_trainer if models is not None else []
 
     @property
     def use_reference(self) -> bool:

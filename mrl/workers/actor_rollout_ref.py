@@ -58,8 +58,9 @@ POLICY_LOSS_NAMES = {"ppo_clip": "vanilla"}  # config name → algorithm library
 
 
 def colocated_reward_models(config: MrlConfig) -> list[Any]:
-    """reward.models placed `colocated`: frozen engines in these workers (discriminative only, start-up rule)."""
-    return [m for m in config.reward.models if m.placement == "colocated"]
+    """Discriminative reward.models placed `colocated`: frozen engines in these workers (a colocated judge has
+    replicas on the trainer's devices instead)."""
+    return [m for m in config.reward.models if m.placement == "colocated" and m.kind == "discriminative"]
 
 
 def actor_loss_config(config: MrlConfig) -> ActorLossConfig:

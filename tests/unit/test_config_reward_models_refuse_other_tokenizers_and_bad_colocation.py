@@ -1,7 +1,8 @@
 """Start-up rules of `reward.models`: a reward model whose tokenizer differs from the policy's is refused unless a
 re-render is configured; duplicate names and non-classifier folders are refused; placement colocated is accepted
 for a discriminative model without re-render or dynamic sampling whose architecture has a bridge and whose shape
-ref.megatron splits, and refused otherwise, each naming the setting."""
+ref.megatron splits, and for a judge beside a hybrid rollout whose replicas fit on the trainer's devices and whose
+memory share fits beside the rollout's; refused otherwise, each naming the setting."""
 
 import json
 
@@ -69,11 +70,23 @@ def test_a_colocated_classifier_of_the_policys_tokens_is_accepted(folders):
     assert violations(folders, colocated(folders, "same")) == {}
 
 
-def test_colocated_generative_rerender_or_dynamic_sampling_is_refused(folders):
-    judge = violations(folders, colocated(folders, "same", kind="generative", template="{response}"),
-                       check_paths=False)
-    assert list(judge) == [("reward.models[0].placement", "colocated")]
-    assert "'pool' for kind=generative" in judge[("reward.models[0].placement", "colocated")]
+def test_a_colocated_judge_needs_a_hybrid_rollout_room_on_the_devices_and_a_memory_share(folders):
+    def judge(check_paths=False, **settings):
+        m = colocated(folders, "same", kind="generative", template="{response}")
+        return violations(folders, {**m, **{k: v for k, v in settings.items() if "__" not in k}},
+                          check_paths=check_paths, **{k: v for k, v in settings.items() if "__" in k})
+
+    share = "reward.models[0].gpu_memory_utilization"
+    assert judge(gpu_memory_utilization=0.3) == {}  # beside the rollout's default 0.5
+    assert "set when colocated" in judge()[(share, "None")]
+    assert "at most 0.25" in judge(gpu_memory_utilization=0.3, rollout__gpu_memory_utilization=0.7)[(share, "0.3")]
+    standalone = judge(gpu_memory_utilization=0.3, rollout__mode="standalone")
+    assert "unless rollout.mode=hybrid" in standalone[("reward.models[0].placement", "colocated")]
+    crowded = judge(gpu_memory_utilization=0.3, num_replicas=2)
+    assert "at most the trainer's 1 devices" in crowded[("reward.models[0].num_replicas", "2")]
+
+
+def test_colocated_rerender_or_dynamic_sampling_is_refused(folders):
     rerender = violations(folders, colocated(folders, "other", rerender=True))
     assert list(rerender) == [("reward.models[0].rerender", "True")]
     assert "placement=colocated" in rerender[("reward.models[0].rerender", "True")]

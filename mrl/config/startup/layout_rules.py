@@ -58,7 +58,7 @@ def _engine_knobs(cfg: DictConfig, _: bool) -> Iterator[Violation]:
             yield Violation(f"{m}.sequence_parallel", True, "sequence parallel splits activations over TP ranks: "
                                                             "it needs tensor_model_parallel_size > 1")
     kl = _get(cfg, "actor.use_kl_loss") or _get(cfg, "algorithm.use_kl_in_reward")
-    colocated = any(m.placement == "colocated" for m in _get(cfg, "reward.models") or [])
+    colocated = any(m.placement == "colocated" and m.kind == "discriminative" for m in _get(cfg, "reward.models") or [])
     teacher = _get(cfg, "algorithm.distill.enable") and _get(cfg, "algorithm.distill.placement") == "colocated"
     if (kl and not _get(cfg, "actor.lora.enable")) or teacher or colocated:
         # The reference engine, the distillation teacher and colocated reward models (on ref.megatron) live in the

@@ -88,8 +88,7 @@ def _colocated(cfg: DictConfig, key: str, m: DictConfig, check_paths: bool) -> I
     back), an architecture with a bridge and a shape ref.megatron splits."""
     why = "with placement=colocated (a frozen Megatron engine in the actor workers)"
     if m.kind == "generative":
-        yield Violation(f"{key}.placement", m.placement, "'pool' for kind=generative: a judge generates on rollout "
-                                                         "replicas of its own; colocated is for discriminative models")
+        yield from _colocated_judge(cfg, key, m)
         return
     if m.rerender:
         yield Violation(f"{key}.rerender", True, f"false {why}: it scores the policy's token ids as they are, so its "
@@ -246,6 +245,27 @@ def _distill(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
     if not same:
         yield Violation(key, path, f"the teacher's tokenizer must be the student's ({student}): it differs, so its "
                                    "log-prob of a sampled token id would score another token")
+
+
+def _colocated_judge(cfg: DictConfig, key: str, m: DictConfig) -> Iterator[Violation]:
+    """A judge on the trainer's devices: hybrid rollout (the hand-over that puts it to sleep and wakes it), replicas
+    that fit on those devices, and memory shares that fit beside the rollout's while both are awake."""
+    if _get(cfg, "rollout.mode") != "hybrid":
+        yield Violation(f"{key}.placement", m.placement, "'pool' unless rollout.mode=hybrid: a colocated judge "
+                                                         "sleeps and wakes with the hybrid rollout")
+    devices = int(_get(cfg, "resources.nnodes")) * int(_get(cfg, "resources.n_gpus_per_node"))
+    wanted = int(m.num_replicas) * int(m.tensor_model_parallel_size)
+    if wanted > devices:
+        yield Violation(f"{key}.num_replicas", m.num_replicas, f"replicas × tensor_model_parallel_size ({wanted}) at "
+                                                               f"most the trainer's {devices} devices when colocated")
+    rollout, own = float(_get(cfg, "rollout.gpu_memory_utilization")), m.gpu_memory_utilization
+    if own is None:
+        yield Violation(f"{key}.gpu_memory_utilization", own, "set when colocated: the judge's engine is awake beside "
+                                                              "the rollout's, and its default takes most of a device")
+    elif rollout + own > 0.95:
+        yield Violation(f"{key}.gpu_memory_utilization", own, f"at most {0.95 - rollout:.2f}: with rollout."
+                                                              f"gpu_memory_utilization={rollout} the two awake "
+                                                              "engines may share 0.95 of a device")
 
 
 def _teacher_pool(cfg: DictConfig, d: DictConfig) -> Iterator[Violation]:
