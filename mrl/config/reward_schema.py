@@ -22,8 +22,8 @@ class RewardModelConfig:
     # `num_replicas` rollout replicas in a standalone pool). colocated, discriminative (no rerender): a frozen
     # Megatron engine in each actor worker on ref.megatron's layout, offloaded with the reference around generation,
     # scored in the step once the trainer holds the devices (not in validation; no data.dynamic_sampling).
-    # colocated, generative (rollout.mode hybrid): its replicas on the trainer's devices, asleep (level 1, weights
-    # kept in host memory) while the trainer holds them and awake with the rollout's.
+    # colocated, generative (rollout.mode hybrid): its replicas in replica mode colocated on the trainer's devices,
+    # asleep (level 1, weights kept in host memory) while the trainer holds them and awake with the rollout's.
     placement: str = "pool"
     # CPUs of a discriminative model's pool worker (its torch threads).
     num_cpus: int = 1

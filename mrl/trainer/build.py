@@ -67,11 +67,12 @@ def start_own_replicas(backend: str, path: str, tp: int, replicas: int, max_mode
                        pool: Any = None, gpu_memory_utilization: float | None = None) -> LLMServerManager:
     """Replicas of a model in the loop (a generative reward model, a distillation teacher), launching (not waited
     for: the engines load while the trainer's other parts start): each in a standalone pool of its own, or with
-    `pool` (the trainer's) hybrid on its first devices, sleeping and waking with the rollout."""
+    `pool` (the trainer's) in replica mode colocated on its first devices (the trainer's hand-over puts them to sleep
+    and wakes them with the rollout)."""
     footprint = Footprint(tp=tp)
     spec = ReplicaSpec(backend=backend, model_path=path, footprint=footprint, max_model_len=max_model_len, dtype=dtype,
                        gpu_memory_utilization=gpu_memory_utilization)
-    return LLMServerManager.create(spec, "standalone" if pool is None else "hybrid", pool=pool,
+    return LLMServerManager.create(spec, "standalone" if pool is None else "colocated", pool=pool,
                                    num_devices=replicas * footprint.devices, wait=False)
 
 

