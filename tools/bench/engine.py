@@ -16,7 +16,9 @@
    output layer out and divided by 790, the GEMM rate measured on the H200), peak memory, and ours/local (the
    issue-3 goal is ≥ 0.95; MoE shapes have no local run, whose spec is ours).
    `--variants` also times ours with one speed-up switched off at a time (MoE shapes: also the stock all-to-all
-   dispatcher and the loop over experts); `--profile` prints the top CUDA kernels of one step of ours.
+   dispatcher and the loop over experts); `--profile` prints the top CUDA kernels of one step of ours;
+   `--with-optimizer` also times the update's whole step (forward, backward and the optimizer step), the step whose
+   MFU the trainer's update reports.
 2. Memory. Per-token log-probs of T tokens at vocabulary V: peak CUDA memory above the inputs for
      materialised: (h Wᵀ).float() → log_softmax → gather   (what a naive trainer does)
      chunked:      mrl.engine.megatron.logprob.vocab_parallel_logprobs (forward; forward+backward with the
@@ -174,10 +176,15 @@ def bench_model(rank: int, world: int, path: str, workloads: dict, opts: dict) -
             ]
         )
 
-    def actor_step(name: str) -> None:
+    def actor_step(name: str, optimizer: bool = False) -> None:
+        """Forward and backward of a workload; with `optimizer`, the update's whole step (the optimizer step
+        too: clip, Adam, and the fp32 master copies' cast back)."""
         engine.max_tokens = workloads[name][1]
         engine.forward_backward(batches[name], loss_fn)
-        engine._zero_grads()
+        if optimizer:
+            engine.optimizer_step()
+        else:
+            engine._zero_grads()
 
     def row(name: str, seconds: float, peak: float) -> dict:
         lengths = workloads[name][0]
@@ -190,17 +197,19 @@ def bench_model(rank: int, world: int, path: str, workloads: dict, opts: dict) -
             "step_s": seconds,
         }
 
-    out: dict[str, Any] = {"n_params": n_params, "flops_params": flops.params, "ours": {}, "local": {}, "variants": {}}
-    for name in workloads:
-        reset_peak()
-        try:
-            seconds = timed(lambda name=name: actor_step(name), opts["iters"], opts["warmup"])
-        except torch.OutOfMemoryError as e:  # the larger micro-batches may not fit: the other rows still count
-            out["ours"][name] = {"error": f"out of memory: {str(e)[:120]}"}
-            engine._zero_grads()
-        else:
-            out["ours"][name] = row(name, seconds, peak_gib())
-        print(f"  ours {name}: {out['ours'][name]}", flush=True)
+    out: dict[str, Any] = {"n_params": n_params, "flops_params": flops.params, "ours": {}, "local": {}, "variants": {},
+                           "update": {}}
+    for key, optimizer in [("ours", False)] + ([("update", True)] if opts["with_optimizer"] else []):
+        for name in workloads:
+            reset_peak()
+            try:
+                seconds = timed(lambda n=name, o=optimizer: actor_step(n, o), opts["iters"], opts["warmup"])
+            except torch.OutOfMemoryError as e:  # the larger micro-batches may not fit: the other rows still count
+                out[key][name] = {"error": f"out of memory: {str(e)[:120]}"}
+                engine._zero_grads()
+            else:
+                out[key][name] = row(name, seconds, peak_gib())
+            print(f"  {key} {name}: {out[key][name]}", flush=True)
 
     if opts["variants"]:
         name = opts["variant_workload"]
@@ -412,6 +421,16 @@ def print_tables(result: dict) -> None:
                 f"{ours['mfu']:.1%} | {ours['peak_gib']:.1f} | {cols} |"
             )
     for shape, r in result["models"].items():
+        for name, update in r.get("update", {}).items():
+            fb = r["ours"].get(name, {})
+            if "error" in update or "error" in fb:
+                print(f"update's whole step, {shape} {name}: {update.get('error') or fb.get('error')}")
+                continue
+            print(f"update's whole step (forward, backward, optimizer step), {shape} {name}: "
+                  f"{update['tokens_per_s']:,.0f} tok/s, MFU {update['mfu']:.1%} (forward and backward alone "
+                  f"{fb['mfu']:.1%}; the optimizer step {update['step_s'] - fb['step_s']:.3f} s), "
+                  f"peak {update['peak_gib']:.1f} GiB")
+    for shape, r in result["models"].items():
         if r["variants"]:
             print(f"\nvariants of ours, {shape}, {result['variant_workload']} (one switch off at a time):")
             print("| variant | tok/s | TFLOP/s | MFU | peak GiB |\n|---|---|---|---|---|")
@@ -434,6 +453,8 @@ def main() -> None:
     parser.add_argument("--profile", default="", help="shapes whose step is profiled")
     parser.add_argument("--logprob-tokens", default="8192,16384", help="token counts of the memory table")
     parser.add_argument("--logprob-chunks", default="", help="chunk sizes of the memory table (default: engine's)")
+    parser.add_argument("--with-optimizer", action="store_true",
+                        help="also time the update's whole step (forward, backward and the optimizer step)")
     parser.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on CPU: checks the script only")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -470,6 +491,7 @@ def main() -> None:
             variant_workload=variant_workload,
             chunks=[int(c) for c in args.chunks.split(",") if c],
             profile=shape in args.profile.split(","),
+            with_optimizer=args.with_optimizer or args.smoke,
         )
         print(f"== {shape}", flush=True)
         with tempfile.TemporaryDirectory() as folder:
