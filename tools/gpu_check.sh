@@ -52,7 +52,7 @@ declare -A CMD=(
   [moe26]="python3 tools/bench/e2e_gpu.py --shapes moe2.6b --variants none --direct-rounds 1 $QUICK $MOE --json $DIR/e2e_moe.json"
   [moe26both]="python3 tools/bench/e2e_gpu.py --shapes moe2.6b --variants none r3 --direct first --direct-rounds 1 --steps 2 --no-warm-start --work-dir $DIR/runs $MOE --json $DIR/e2e_moe.json"
   [moeprof]="python3 tools/bench/engine.py --shapes moe2.6b,moe2.9b --workloads 32x1024,32x1024-32k --variant-workload 32x1024 --variants moe2.6b,moe2.9b --profile moe2.6b,moe2.9b --logprob-tokens '' --iters 3 --warmup 1 --out $DIR/engine_moe.json"
-  [moeupd]="python3 tools/bench/engine.py --shapes moe2.9b --workloads 32x1024 --with-optimizer --logprob-tokens '' --iters 3 --warmup 1 --out $DIR/engine_moeupd.json"
+  [moeupd]="python3 tools/bench/engine.py --shapes moe2.9b --workloads 32x1024-8k,32x1024 --with-optimizer --logprob-tokens '' --iters 3 --warmup 1 --out $DIR/engine_moeupd.json"
   [moe29]="python3 tools/bench/e2e_gpu.py --shapes moe2.9b --variants none --direct first --direct-rounds 2 $QUICK $MOE --json $DIR/e2e_moe29.json"
   [moe26r3]="python3 tools/bench/e2e_gpu.py --shapes moe2.6b --variants r3 --direct none $QUICK $MOE --baseline-json $DIR/e2e_moe.json --json $DIR/e2e_moe_r3.json"
   [fp8fp32]="python3 -m pytest $T/test_fp8_rollout_engine_holds_the_quantised_export_after_every_sync.py -k fp32 -q -s --timeout=480"

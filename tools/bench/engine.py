@@ -79,6 +79,7 @@ WORKLOADS = {
     # The MoE GPU step's shape (tools/bench/e2e_gpu.py): 1k-token responses, 16k-token micro-batches.
     "32x1024": ([1024] * 32, 16384, 0),
     "32x1024-32k": ([1024] * 32, 32768, 0),  # the same step in micro-batches twice as large
+    "32x1024-8k": ([1024] * 32, 8192, 0),  # half as large: room for the optimizer state on an 80 GB device
 }
 SMOKE_WORKLOADS = {"4x2048": ([32] * 4, 64, 2), "packed": ([40, 7, 25, 60, 13], 64, 0)}
 
