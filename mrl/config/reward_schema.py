@@ -100,7 +100,7 @@ class DistillConfig:
     # pool: `num_replicas` rollout replicas of its own (devices or CPU workers apart from the trainer's), scored by
     # their prompt log-probs, which are untempered: rollout.temperature must be 1 (mrl/reward/teacher_replicas.py).
     placement: str = "colocated"
-    # pool: the teacher's rollout backend (vllm or hf: those return prompt log-probs).
+    # pool: the teacher's rollout backend (vllm, sglang or hf: those return prompt log-probs).
     backend: str = "vllm"
     # pool: replicas of the teacher; each engine batches its share of a step's samples.
     num_replicas: int = 1

@@ -3,7 +3,8 @@ sit beside the actor, or one served on its own devices, scores the student's sam
 log-probs. Each sample (prompt + response ids) goes out as one prompt asking for one new token; the replica returns
 every prompt token's log-prob given the tokens before it, which is the teacher's log-prob of each sampled token.
 
-Those log-probs are untempered (vLLM applies no sampling processor to prompt tokens), so start-up requires
+Those log-probs are untempered (vLLM applies no sampling processor to prompt tokens; SGLang scales them by the
+request's temperature, 1 for this greedy request), so start-up requires
 rollout.temperature 1, where the student's π_old is untempered too (mrl/config/startup/reward_rules.py). Every
 request of a step goes out at once and the engines batch them; mrl/trainer/build.py starts the replicas.
 """

@@ -29,7 +29,6 @@ from mrl.rollout.replica import Footprint, ReplicaSpec
 from mrl.rollout.server import RolloutServer, restore_niceness
 from mrl.utils.network import require_loopback
 from rollout_adapters.base import StopReason
-from rollout_adapters.sglang import protocol as sglang_protocol
 from rollout_adapters.sglang.adapter import SGLangAdapter
 from rollout_adapters.vllm.adapter import VLLMAdapter, sample_result, to_vllm_sampling
 
@@ -56,14 +55,11 @@ class VLLMPDAdapter(VLLMAdapter):
 class SGLangPDAdapter(SGLangAdapter):
     """SGLangAdapter whose /generate bodies carry the disaggregation bootstrap fields."""
 
-    async def _generate(
-        self, request_id: str, prompt_ids: list[int], params: dict[str, Any], budget: int
-    ) -> tuple[list[int], list[float], StopReason]:
+    serves_prompt_logprobs = False  # the prefill member holds the prompt's logits, and the router does not merge them
+
+    def _routing_fields(self) -> dict[str, Any]:
         transfer = TRANSFER.get()
-        extra = transfer["send"] if transfer is not None else {}
-        body = sglang_protocol.generate_request(request_id, prompt_ids, params, budget, **extra)
-        response = await self._post("/generate", body)
-        return sglang_protocol.parse_generate_response(response, params["logprobs"], budget)
+        return transfer["send"] if transfer is not None else {}
 
 
 PD_ADAPTERS = {"vllm": VLLMPDAdapter, "sglang": SGLangPDAdapter}

@@ -45,6 +45,7 @@ class SGLangAdapter(RolloutAdapter):
     backend = "sglang"
     supports_pipeline_parallel = False  # SGLang has PP, but weight updates from tensors assume one stage
     supports_tensor_parallel = True
+    serves_prompt_logprobs = True  # input_token_logprobs, untempered at temperature 0 or 1 (protocol.generate_request)
 
     def __init__(
         self,
@@ -159,9 +160,17 @@ class SGLangAdapter(RolloutAdapter):
     # ---- generation ---------------------------------------------------------------------------------
     async def _generate(
         self, request_id: str, prompt_ids: list[int], params: dict[str, Any], budget: int
-    ) -> tuple[list[int], list[float], StopReason]:
-        body = protocol.generate_request(request_id, prompt_ids, params, budget)
-        return protocol.parse_generate_response(await self._post("/generate", body), params["logprobs"], budget)
+    ) -> tuple[list[int], list[float], StopReason] | tuple[list[int], list[float], StopReason, dict[str, Any]]:
+        body = protocol.generate_request(request_id, prompt_ids, params, budget, **self._routing_fields())
+        response = await self._post("/generate", body)
+        ids, lps, reason = protocol.parse_generate_response(response, params["logprobs"], budget)
+        if not params["prompt_logprobs"]:
+            return ids, lps, reason
+        return ids, lps, reason, {"prompt_log_probs": protocol.parse_prompt_log_probs(response, prompt_ids)}
+
+    def _routing_fields(self) -> dict[str, Any]:
+        """Extra /generate fields of this request (a disaggregated member's bootstrap, mrl/rollout/pd_members.py)."""
+        return {}
 
     async def _abort_running(self) -> None:
         await self._post("/abort_request", protocol.abort_all_payload())

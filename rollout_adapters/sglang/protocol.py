@@ -59,13 +59,18 @@ def generate_request(
 ) -> dict[str, Any]:
     """Body of POST /generate for one sample given as token ids; `extra` carries routing fields such as the
     disaggregation bootstrap (bootstrap_host, bootstrap_port, bootstrap_room)."""
+    if params["prompt_logprobs"] and float(params["temperature"]) not in (0.0, 1.0):
+        # SGLang scales prompt log-probs by the request's temperature when SGLANG_TEMP_SCALED_LOGPROBS is set (and
+        # greedy runs at 1): only at 0 or 1 are they the untempered ones the unified key promises, whatever the env.
+        raise ValueError(f"sampling prompt_logprobs with temperature {params['temperature']}: the sglang adapter "
+                         "returns prompt log-probs only at temperature 0 or 1 (untempered either way)")
     body: dict[str, Any] = {
         "rid": rid,
         "input_ids": list(prompt_ids),
         "sampling_params": sampling_params(params, budget),
-        "return_logprob": bool(params["logprobs"]),
-        # -1: log-probs of output tokens only (none for the prompt).
-        "logprob_start_len": -1,
+        "return_logprob": bool(params["logprobs"] or params["prompt_logprobs"]),
+        # -1: log-probs of output tokens only; 0: every prompt token's as well (input_token_logprobs).
+        "logprob_start_len": 0 if params["prompt_logprobs"] else -1,
         "top_logprobs_num": 0,
         "stream": False,
     }
@@ -106,6 +111,24 @@ def parse_generate_response(
                 raise RuntimeError(f"sglang log-prob {position} is for token {entry[1]}, the output has {token}")
             lps.append(float(entry[0]))
     return ids, lps, _FINISH[kind]
+
+
+def parse_prompt_log_probs(body: dict[str, Any], prompt_ids: Sequence[int]) -> list[float]:
+    """POST /generate response of a request sent with logprob_start_len 0 -> each prompt token's log-prob given the
+    tokens before it (0.0 for the first, which SGLang reports as None), as vLLM's adapter returns them.
+
+    Shape: meta_info["input_token_logprobs"] = [[None, id0, text], [logprob, id1, text], ...], one per prompt token
+    (the scheduler pads the first with None and moves the sampled token's entry to the output side). SGLang writes
+    ids at or above vocab_size - 1 as 0 there (its image-hash clipping), so a 0 is not checked against the prompt.
+    """
+    entries = (body.get("meta_info") or {}).get("input_token_logprobs")
+    if entries is None or len(entries) != len(prompt_ids):
+        got = None if entries is None else len(entries)
+        raise RuntimeError(f"sglang returned {got} prompt log-probs for a prompt of {len(prompt_ids)} tokens")
+    for position, (entry, token) in enumerate(zip(entries, prompt_ids)):
+        if int(entry[1]) not in (token, 0):
+            raise RuntimeError(f"sglang prompt log-prob {position} is for token {entry[1]}, the prompt has {token}")
+    return [0.0] + [float(entry[0]) for entry in entries[1:]]
 
 
 def raise_for_error(status: int | None, message: str, endpoint: str) -> None:

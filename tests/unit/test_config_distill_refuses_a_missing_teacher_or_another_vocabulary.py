@@ -95,8 +95,9 @@ def test_a_teacher_on_replicas_of_its_own_needs_prompt_log_probs_at_temperature_
     tempered = refused(folders, "same", **{**pool, "rollout__temperature": 0.8})
     assert list(tempered) == ["rollout.temperature"]
     assert "untempered prompt log-probs" in tempered["rollout.temperature"]
-    sglang = refused(folders, "same", **pool, algorithm__distill__backend="sglang")
-    assert list(sglang) == ["algorithm.distill.backend"] and "prompt log-probs" in sglang["algorithm.distill.backend"]
+    assert refused(folders, "same", **pool, algorithm__distill__backend="sglang") == {}
+    trtllm = refused(folders, "same", **pool, algorithm__distill__backend="trtllm")
+    assert list(trtllm) == ["algorithm.distill.backend"] and "prompt log-probs" in trtllm["algorithm.distill.backend"]
     assert "one of colocated, pool" in refused(folders, "same", algorithm__distill__placement="remote")[
         "algorithm.distill.placement"]
     assert "differs" in refused(folders, "other", **pool)[TEACHER]  # the vocabulary rule holds in a pool too

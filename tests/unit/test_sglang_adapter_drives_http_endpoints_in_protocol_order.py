@@ -71,6 +71,9 @@ class RecordedServer:
                 "completion_tokens": len(ids)}
         if body["return_logprob"]:
             meta["output_token_logprobs"] = [[-0.1 * (i + 1), t, None] for i, t in enumerate(ids)]
+        if body["logprob_start_len"] == 0:
+            meta["input_token_logprobs"] = [[None if i == 0 else -float(t), t, None]
+                                            for i, t in enumerate(body["input_ids"])]
         return web.json_response({"output_ids": ids, "meta_info": meta})
 
 
@@ -106,19 +109,23 @@ def test_update_aborts_loads_per_bucket_flushes_and_stamps_version():
             loaded = await adapter.update_weights_from_buckets(list(pack_buckets(weights, 20_000)), 5)
             aborted = await running
             after = await adapter.generate("q", [9], {"max_tokens": 2})
-            return server.calls, plain, aborted, after, loaded
+            scored = await adapter.generate("s", [3, 4, 5], {"max_tokens": 1, "temperature": 0, "logprobs": False,
+                                                              "prompt_logprobs": True})
+            return server.calls, plain, aborted, after, loaded, scored
         finally:
             await adapter.shutdown()
             await runner.cleanup()
 
-    calls, plain, aborted, after, loaded = asyncio.run(scenario())
+    calls, plain, aborted, after, loaded, scored = asyncio.run(scenario())
+    assert scored.extra["prompt_log_probs"] == [0.0, -4.0, -5.0] and scored.log_probs is None
     assert plain.token_ids == [4, 5, 6, 7] and plain.log_probs == pytest.approx([-0.1, -0.2, -0.3, -0.4])
     assert plain.stop_reason == "length" and plain.version == 0
     assert aborted.stop_reason == "aborted" and aborted.token_ids == [8, 9, 10] and aborted.version == 0
     assert after.version == 5 and loaded == 3
     paths = [p for p, _ in calls]
     assert paths == ["/generate", "/generate", "/abort_request", "/update_weights_from_tensor",
-                     "/update_weights_from_tensor", "/flush_cache", "/generate"]
+                     "/update_weights_from_tensor", "/flush_cache", "/generate", "/generate"]
+    assert calls[-1][1]["logprob_start_len"] == 0 and calls[0][1]["logprob_start_len"] == -1
     first = calls[0][1]
     assert first["input_ids"] == [1, 2, 3] and first["return_logprob"] is True
     assert first["sampling_params"]["max_new_tokens"] == 4 and first["sampling_params"]["temperature"] == 0.0

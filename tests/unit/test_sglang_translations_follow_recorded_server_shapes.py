@@ -96,6 +96,32 @@ def test_misaligned_or_malformed_responses_are_errors():
         protocol.parse_generate_response(too_long, True, 8)
 
 
+# Recorded with logprob_start_len 0 for input_ids [11, 12, 13]: the first prompt entry is None (no context).
+RESPONSE_PROMPT = {"output_ids": [14], "meta_info": {
+    "finish_reason": {"type": "length", "length": 1},
+    "input_token_logprobs": [[None, 11, None], [-2.5, 12, None], [-0.75, 0, None]],
+    "output_token_logprobs": [[-0.5, 14, None]]}}
+
+
+def test_prompt_log_probs_are_asked_from_token_zero_and_read_aligned():
+    params = normalize_sampling({"max_tokens": 1, "temperature": 0, "logprobs": False, "prompt_logprobs": True})
+    body = protocol.generate_request("r", [11, 12, 13], params, budget=1)
+    assert body["return_logprob"] is True and body["logprob_start_len"] == 0
+    # a 0 stands for an id SGLang clips (vocab_size - 1 and above): not a mismatch
+    assert protocol.parse_prompt_log_probs(RESPONSE_PROMPT, [11, 12, 13]) == [0.0, -2.5, -0.75]
+    assert protocol.parse_generate_response(RESPONSE_PROMPT, False, 1) == ([14], [], "length")
+    with pytest.raises(RuntimeError, match="3 prompt log-probs for a prompt of 4 tokens"):
+        protocol.parse_prompt_log_probs(RESPONSE_PROMPT, [11, 12, 13, 15])
+    with pytest.raises(RuntimeError, match="prompt log-prob 1 is for token 12, the prompt has 7"):
+        protocol.parse_prompt_log_probs(RESPONSE_PROMPT, [11, 7, 13])
+    with pytest.raises(RuntimeError, match="None prompt log-probs"):
+        protocol.parse_prompt_log_probs(RESPONSE_STOP, [1, 2, 3, 4, 5])
+    # SGLang may scale them by the request's temperature: only 0 and 1 give the untempered ones
+    assert protocol.generate_request("r", [1], {**params, "temperature": 1.0}, 1)["logprob_start_len"] == 0
+    with pytest.raises(ValueError, match=r"temperature 0\.7: the sglang adapter returns prompt log-probs only"):
+        protocol.generate_request("r", [1], {**params, "temperature": 0.7}, 1)
+
+
 def test_errors_map_to_our_exceptions():
     with pytest.raises(ValueError):
         protocol.check_control_response("/generate", 400, {"error": "bad"})

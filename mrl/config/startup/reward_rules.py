@@ -271,9 +271,9 @@ def _colocated_judge(cfg: DictConfig, key: str, m: DictConfig) -> Iterator[Viola
 def _teacher_pool(cfg: DictConfig, d: DictConfig) -> Iterator[Violation]:
     """A teacher on replicas of its own: a backend that returns prompt log-probs, and the untempered distribution
     they come from as the student's (the teacher's signal is teacher − student log-prob of each sampled token)."""
-    if d.backend not in ("vllm", "hf"):
-        yield Violation("algorithm.distill.backend", d.backend, "vllm or hf with placement=pool: the teacher's "
-                                                                "replicas must return prompt log-probs")
+    if d.backend not in ("vllm", "sglang", "hf"):
+        yield Violation("algorithm.distill.backend", d.backend, "vllm, sglang or hf with placement=pool: the "
+                                                                "teacher's replicas must return prompt log-probs")
     temperature = _get(cfg, "rollout.temperature")
     if temperature != 1.0:
         yield Violation("rollout.temperature", temperature, "1.0 with algorithm.distill.placement=pool: the "
