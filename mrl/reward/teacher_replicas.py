@@ -41,7 +41,11 @@ class ReplicaTeacher:
                                            for i, ids in enumerate(sequences))))
 
     def log_probs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
-        return asyncio.run(self._all(sequences))
+        # Each distinct sequence is scored once: a group's identical samples and the step's no-op padding rows
+        # (copies of real ones) would otherwise repeat the teacher's work.
+        distinct = list(dict.fromkeys(tuple(int(t) for t in ids) for ids in sequences))
+        scored = dict(zip(distinct, asyncio.run(self._all(distinct))))
+        return [list(scored[tuple(int(t) for t in ids)]) for ids in sequences]
 
     def wait_started(self) -> None:
         self.manager.wait_started()
