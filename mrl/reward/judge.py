@@ -26,6 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mrl.reward.distinct import once_per_distinct
+
 TEMPLATE_FIELDS = ("prompt", "response", "ground_truth")
 # "package.module:function": read as a parser function, never as a regex (a regex of this shape has no group, which
 # a regex parser must have, so the two readings never compete).
@@ -175,10 +177,18 @@ class GenerativeJudge:
         return self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
 
     async def answers(self, items: Sequence[JudgeInput]) -> list[str]:
-        """The judge's answer text to each item, all requests in flight together (the engines batch them)."""
+        """The judge's answer text to each item, all requests in flight together (the engines batch them). A greedy
+        judge answers each distinct prompt once: identical samples would get the same answer."""
         client, batch = self.manager.client(), uuid.uuid4().hex[:8]
-        return list(await asyncio.gather(*(self._answer(client, f"judge-{self.name}-{batch}-{i}", self.prompt_ids(x))
-                                           for i, x in enumerate(items))))
+
+        async def answer_all(prompts: list[tuple[int, ...]]) -> list[str]:
+            return list(await asyncio.gather(*(self._answer(client, f"judge-{self.name}-{batch}-{i}", list(ids))
+                                               for i, ids in enumerate(prompts))))
+
+        prompts = [tuple(self.prompt_ids(x)) for x in items]
+        if self.sampling["temperature"] == 0:
+            return await once_per_distinct(prompts, answer_all)
+        return await answer_all(prompts)
 
     def scores(self, answers: Sequence[str]) -> list[float]:
         out = []

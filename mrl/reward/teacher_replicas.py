@@ -16,6 +16,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from mrl.reward.distinct import once_per_distinct
+
 # One new token (the engine must decode something); the prompt's log-probs are what is read.
 _SAMPLING = {"max_tokens": 1, "temperature": 0.0, "logprobs": False, "prompt_logprobs": True}
 
@@ -41,11 +43,8 @@ class ReplicaTeacher:
                                            for i, ids in enumerate(sequences))))
 
     def log_probs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
-        # Each distinct sequence is scored once: a group's identical samples and the step's no-op padding rows
-        # (copies of real ones) would otherwise repeat the teacher's work.
-        distinct = list(dict.fromkeys(tuple(int(t) for t in ids) for ids in sequences))
-        scored = dict(zip(distinct, asyncio.run(self._all(distinct))))
-        return [list(scored[tuple(int(t) for t in ids)]) for ids in sequences]
+        keys = [tuple(int(t) for t in ids) for ids in sequences]
+        return [list(row) for row in asyncio.run(once_per_distinct(keys, self._all))]
 
     def wait_started(self) -> None:
         self.manager.wait_started()

@@ -1,6 +1,7 @@
-"""A pool teacher (mrl/reward/teacher_replicas.py) sends each distinct sample once: a group's identical responses and
-the step's no-op padding rows (copies) are scored by one request, and every row still gets its own sequence's
-log-probs, in order. The replica stand-in answers like an adapter asked for prompt log-probs (TokenOutput.extra)."""
+"""A pool teacher (mrl/reward/teacher_replicas.py) and a greedy generative judge (mrl/reward/judge.py) send each
+distinct request once: a group's identical responses and the step's no-op padding rows (copies) cost one request,
+and every row still gets its own sequence's result, in order. A sampling judge asks again for every row. The replica
+stand-in answers like an adapter (prompt log-probs in TokenOutput.extra; the judge's answer as token ids)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import asyncio
 
 import pytest
 
+from mrl.config.reward_schema import RewardModelConfig
+from mrl.models.tiny import make_tiny_hf_model
+from mrl.reward.judge import GenerativeJudge, JudgeInput
 from mrl.reward.teacher_replicas import ReplicaTeacher
 from rollout_adapters.base import TokenOutput
 
@@ -52,3 +56,30 @@ def test_a_replica_without_room_for_the_sample_is_an_error_naming_the_context():
 
     with pytest.raises(RuntimeError, match="context must exceed the longest sample"):
         ReplicaTeacher(Full()).log_probs([[1, 2]])
+
+
+class EchoJudgeReplica(CountingReplica):
+    """Answers each prompt with its own length as text, tokenized by the judge's tokenizer."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__()
+        self.tokenizer = tokenizer
+
+    async def generate(self, request_id: str, ids: list[int], sampling: dict) -> TokenOutput:
+        self.prompts.append(list(ids))
+        return TokenOutput(self.tokenizer.encode(f"score {len(ids)}", add_special_tokens=False), None, "stop", 0)
+
+
+@pytest.mark.parametrize(("temperature", "requests"), [(0.0, 2), (0.7, 4)])
+def test_a_greedy_judge_answers_each_distinct_prompt_once(tmp_path, temperature, requests):
+    path = make_tiny_hf_model("qwen2", tmp_path / "judge")
+    judge = GenerativeJudge(RewardModelConfig(name="j", kind="generative", path=str(path), temperature=temperature,
+                                              template="Q {prompt} A {response}", parser=r"score (\d+)"), None)
+    replica = EchoJudgeReplica(judge.tokenizer)
+    judge.manager = replica
+    items = [JudgeInput("12", "3"), JudgeInput("12", "345"), JudgeInput("12", "3"), JudgeInput("12", "3")]
+    answers = asyncio.run(judge.answers(items))
+    assert len(replica.prompts) == requests
+    lengths = [len(judge.prompt_ids(x)) for x in items]
+    assert answers == [f"score {n}" for n in lengths] and lengths[0] != lengths[1]
+    assert judge.scores(answers) == [float(n) for n in lengths]
