@@ -98,6 +98,8 @@ class ReplicaSpec:
     quantization: str | None = None
     # Its block scales (rollout.fp8_scale_format): "fp32" or "ue8m0".
     fp8_scale_format: str = "fp32"
+    # Its block-FP8 GEMM (rollout.fp8_gemm): "deepgemm" or "cutlass".
+    fp8_gemm: str = "deepgemm"
 
     def server_env(self) -> dict[str, str]:
         """Environment of the server process: the defaults, the engine's listening address, then `env`."""
@@ -127,8 +129,8 @@ class ReplicaSpec:
             # Only when asked: backends without the capability refuse the setting by name.
             **({"return_routed_experts": True} if self.return_routed_experts else {}),
             **({"lora_rank": self.lora_rank} if self.lora_rank is not None else {}),
-            **({"quantization": self.quantization, "fp8_scale_format": self.fp8_scale_format}
-               if self.quantization is not None else {}),
+            **({"quantization": self.quantization, "fp8_scale_format": self.fp8_scale_format,
+                "fp8_gemm": self.fp8_gemm} if self.quantization is not None else {}),
         }
 
 

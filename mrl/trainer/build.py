@@ -60,6 +60,7 @@ def rollout_spec(c: MrlConfig) -> ReplicaSpec:
         lora_rank=c.actor.lora.rank if c.actor.lora.enable and c.actor.lora.sync == "adapter" else None,
         quantization=r.quantization,
         fp8_scale_format=r.fp8_scale_format,
+        fp8_gemm=r.fp8_gemm,
     )
 
 

@@ -81,6 +81,7 @@ class VLLMAdapter(RolloutAdapter):
         return_routed_experts: bool = False,
         quantization: str | None = None,
         fp8_scale_format: str = "fp32",
+        fp8_gemm: str = "deepgemm",
     ) -> None:
         super().__init__(max_model_len)
         import torch
@@ -91,6 +92,7 @@ class VLLMAdapter(RolloutAdapter):
         # brings quantised tensors (mrl/weight_sync/fp8.py, docs/fp8.md).
         self.source_model = model_path
         self.ue8m0 = fp8_scale_format == "ue8m0"
+        self.deep_gemm = fp8_gemm == "deepgemm"
         if quantization is not None:
             model_path = fp8_copy_path(model_path, fp8_scale_format)
 
@@ -167,13 +169,15 @@ class VLLMAdapter(RolloutAdapter):
 
     def prepare_quantized_model(self) -> None:
         """With rollout.quantization=fp8: write the block-FP8 copy the engine starts from (once per node) and set
-        the scale format of vLLM's DeepGEMM. While DeepGEMM's E8M0 is on (vLLM's default on Hopper and Blackwell)
-        vLLM re-quantises every block-FP8 weight it loads to power-of-two scales; the format decides it, so the
-        engine holds what mrl sends (mrl/weight_sync/fp8.py). The engine core and its Ray workers inherit it."""
+        the engine's GEMM and DeepGEMM's scale format. While DeepGEMM's E8M0 is on (vLLM's default on Hopper and
+        Blackwell) vLLM re-quantises every block-FP8 weight it loads to power-of-two scales; the format decides it,
+        so the engine holds what mrl sends (mrl/weight_sync/fp8.py). The engine core and its Ray workers inherit
+        the environment."""
         if self.engine_args["quantization"] is None:
             return
         from mrl.weight_sync.fp8 import write_quantized_copy
 
+        os.environ["VLLM_USE_DEEP_GEMM"] = "1" if self.deep_gemm else "0"
         os.environ["VLLM_USE_DEEP_GEMM_E8M0"] = "1" if self.ue8m0 else "0"
         write_quantized_copy(self.source_model, self.engine_args["model"], self.ue8m0)
 

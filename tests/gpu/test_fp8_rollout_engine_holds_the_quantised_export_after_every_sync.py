@@ -6,7 +6,8 @@ re-quantises what it loads); the sync sends about half the bytes of the bf16 exp
 close to the trainer's. The first H100 run (fp32 scales, E8M0 left on) found all 16 FP8 tensors changed; the second
 (2026-12-06, E8M0 off) passed with ue8m0 scales and found 0.2% of the fp32 format's bytes one step apart, with
 scales one last bit apart: the trainer quantised on the GPU, where `tensor / 448.0` is a × (1 / 448), and this
-check on the CPU (the quantiser now divides by a tensor on both).
+check on the CPU (the quantiser now divides by a tensor on both). The third case runs the engine's CUTLASS block GEMM
+(rollout.fp8_gemm=cutlass), which keeps the loaded weights as they are.
 
 The model is a small Qwen2 whose layers are whole 128-row blocks (vLLM's block-FP8 layers need them), trained on the
 demo's reverse-a-string task from random weights (the check is the sync, not learning)."""
@@ -65,14 +66,16 @@ def how_it_differs(name, got, want) -> str:
     return f"{name}: {differing.float().mean().item():.1%} of bytes differ, largest value gap {gap:.3g}"
 
 
-@pytest.mark.parametrize("scale_format", ["fp32", "ue8m0"])
-def test_fp8_engine_holds_the_quantised_export_after_every_sync(gpu_ray, tmp_path, scale_format):
+@pytest.mark.parametrize("scale_format,gemm", [("fp32", "deepgemm"), ("ue8m0", "deepgemm"), ("fp32", "cutlass")],
+                         ids=["fp32", "ue8m0", "cutlass"])
+def test_fp8_engine_holds_the_quantised_export_after_every_sync(gpu_ray, tmp_path, scale_format, gemm):
     from gpu_fixtures import demo_trainer
 
     from mrl.trainer.build import shutdown
 
     trainer = demo_trainer(task(tmp_path / "task"), tmp_path / "fp8", "rollout.quantization=fp8",
-                           f"rollout.fp8_scale_format={scale_format}", f"trainer.total_training_steps={STEPS}")
+                           f"rollout.fp8_scale_format={scale_format}", f"rollout.fp8_gemm={gemm}",
+                           f"trainer.total_training_steps={STEPS}")
     try:
         trainer.give_devices_to_rollout()  # what fit() does before the first step
         history, full = [], 0

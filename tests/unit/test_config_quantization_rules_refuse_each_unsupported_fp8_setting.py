@@ -54,6 +54,7 @@ def test_other_backends_are_refused_by_name(backend):
      "use actor.lora.sync=merged"),
     (["rollout.quantization=int8"], "rollout.quantization", "must be null or fp8"),
     (["rollout.fp8_scale_format=e8m0"], "rollout.fp8_scale_format", "must be one of fp32, ue8m0"),
+    (["rollout.fp8_gemm=triton"], "rollout.fp8_gemm", "must be one of deepgemm, cutlass"),
 ])
 def test_each_violation_alone_gives_its_own_message(overrides, setting, rule):
     found = violations(*overrides)

@@ -155,6 +155,7 @@ def test_vllm_fp8_starts_from_a_block_fp8_copy_of_the_model(tmp_path, monkeypatc
     assert AsyncEngineArgs(**args).quantization == "fp8"
     # The scale format: its own copy (power-of-two scales) and DeepGEMM's E8M0 on for it, off for fp32 scales.
     monkeypatch.setenv("VLLM_USE_DEEP_GEMM_E8M0", "")  # restored after the test
+    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "")
     path, kwargs = adapter_kwargs("vllm", *fp8, "rollout.fp8_scale_format=ue8m0", check=False)
     ue8m0 = VLLMAdapter(path, **kwargs)
     assert ue8m0.engine_args["model"] == fp8_copy_path(model, "ue8m0") != args["model"]
@@ -163,8 +164,11 @@ def test_vllm_fp8_starts_from_a_block_fp8_copy_of_the_model(tmp_path, monkeypatc
     with safe_open(f"{ue8m0.engine_args['model']}/model.safetensors", "pt") as f:
         scale = f.get_tensor("model.layers.0.mlp.down_proj.weight_scale_inv")
     assert torch.equal(scale, torch.pow(2.0, torch.log2(scale).round()))
-    adapter.prepare_quantized_model()  # the copy exists: only the format is set
-    assert os.environ["VLLM_USE_DEEP_GEMM_E8M0"] == "0"
+    assert os.environ["VLLM_USE_DEEP_GEMM"] == "1"  # vLLM's default GEMM unless rollout.fp8_gemm says cutlass
+    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "")
+    path, kwargs = adapter_kwargs("vllm", *fp8, "rollout.fp8_gemm=cutlass", check=False)
+    VLLMAdapter(path, **kwargs).prepare_quantized_model()  # the copy exists: only the environment is set
+    assert os.environ["VLLM_USE_DEEP_GEMM"] == "0" and os.environ["VLLM_USE_DEEP_GEMM_E8M0"] == "0"
     (tmp_path / "m" / "model.safetensors").write_bytes((tmp_path / "m" / "model.safetensors").read_bytes())
     assert fp8_copy_path(model) != args["model"]  # a rewritten model gets a new copy
     for backend in ("sglang", "trtllm"):

