@@ -14,7 +14,8 @@
 # (tools/bench/engine.py); moeupd, the MoE update's whole step, its optimizer step included, at 2.9B (the same
 # bench); moe29 then moe29r3, the MoE step at the 2.9B shape of Qwen3-30B-A3B's layer widths, without and with R3;
 # fp8fp32, the read-back test's fp32 scale format; fp8cut, the same on the CUTLASS block GEMM; fp8kv, FP8 weights
-# and KV cache at 1.5B against bench15's JSON of the same lease (ARGS_fp8kv="--variants fp8kvc": on CUTLASS); chaintask then fp8learn, FP8 rollout with token TIS beside BF16 on the chain task).
+# and KV cache at 1.5B against bench15's JSON of the same lease (ARGS_fp8kv="--variants fp8kvc": on CUTLASS);
+# chaintask then fp8learn, FP8 rollout with token TIS beside BF16 on the chain task).
 # STAGE:SECONDS overrides a stage's time limit (a tight device lease);
 # ARGS_<stage> in the environment is appended to the stage's command, e.g. ARGS_corr="--only off,decoupled".
 set -uo pipefail
