@@ -324,8 +324,8 @@ class RolloutConfig:
     # and Blackwell; Blackwell's DeepGEMM needs it). Either way the engine holds the quantised export bit for bit.
     fp8_scale_format: str = "fp32"
     # The engine's block-FP8 GEMM: deepgemm (vLLM's default on Hopper and Blackwell: JIT kernels, compiled for each
-    # GEMM shape while the engine starts) or cutlass (vLLM's precompiled CUTLASS block-scaled GEMM: no JIT warm-up,
-    # and the scales are never re-quantised; VLLM_USE_DEEP_GEMM=0). Hopper only for cutlass; docs/fp8.md compares.
+    # GEMM shape while the engine starts) or cutlass (VLLM_USE_DEEP_GEMM=0: vLLM's precompiled CUTLASS block-scaled
+    # GEMM, or its Triton one where CUTLASS lacks the device; no JIT warm-up, the scales are never re-quantised).
     fp8_gemm: str = "deepgemm"
     # Reuse the KV cache of shared prompt prefixes (vLLM prefix caching, SGLang radix cache, TensorRT-LLM block
     # reuse); the cache is cleared after every weight sync, so hits are within one version's requests.
