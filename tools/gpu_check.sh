@@ -19,6 +19,7 @@
 # chaintask then fp8learn, FP8 rollout with token TIS beside BF16 on the chain task).
 # STAGE:SECONDS overrides a stage's time limit (a tight device lease);
 # ARGS_<stage> in the environment is appended to the stage's command, e.g. ARGS_corr="--only off,decoupled".
+# MIRROR=FOLDER copies what the stages write into FOLDER as they go (below).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 DIR="${1:-/tmp/mrl_gpu}"; shift || true
@@ -68,6 +69,16 @@ declare -A CMD=(
 )
 declare -A LIMIT=([sleep]=300 [learn]=600 [bench05]=480 [peak]=600 [async]=400 [bench15]=600 [engine]=300 [genlayers]=600 [corr]=600 [lora]=600 [moe]=480 [onecopy]=600 [chain]=2400 [fp8]=1800 [rm]=480 [moe26]=540 [moe26r3]=480 [moe26both]=570 [moeprof]=360 [moeupd]=240 [moe29]=540 [moe29r3]=420 [fp8fp32]=480 [fp8cut]=300 [fp8pair]=500 [fp8kv]=560 [chaintask]=300 [fp8learn]=560)
 STAGES=("$@"); [[ ${#STAGES[@]} == 0 ]] && STAGES=(sleep learn bench05 peak async bench15 engine)
+# MIRROR=FOLDER (a device call's $OUT): copy the summary, the logs, the JSON figures and every run's metrics.jsonl
+# there every 15 s and at the end, so a call the lease cuts short still brings back what the stages wrote.
+mirror() {
+  cp "$DIR"/summary.txt "$DIR"/*.log "$DIR"/*.json "$MIRROR"/ 2>/dev/null
+  find "$DIR" -name metrics.jsonl 2>/dev/null | while read -r f; do cp "$f" "$MIRROR/$(echo "${f#"$DIR"/}" | tr / _)"; done
+}
+if [[ -n "${MIRROR:-}" ]]; then
+  mkdir -p "$MIRROR"; (while sleep 15; do mirror; done) & MIRROR_LOOP=$!
+  trap 'kill $MIRROR_LOOP 2>/dev/null; mirror' EXIT
+fi
 for named in "${STAGES[@]}"; do
   stage=${named%%:*}; limit=${LIMIT[$stage]}; [[ $named == *:* ]] && limit=${named##*:}
   start=$(date +%s)
