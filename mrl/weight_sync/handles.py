@@ -216,7 +216,8 @@ def copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     allows: on a slow host the receiver's Python and launch per copy, not the device, bound a one-copy sync.
     Consecutive pairs whose destinations and sources both continue each other in memory (gate and up into a fused
     gate_up from Megatron's fused fc1) become one copy; contiguous pairs under BATCH_BELOW bytes go in one
-    `torch._foreach_copy_` per dtype; the rest (row blocks, dtype casts, large tensors) one `copy_` each."""
+    `torch._foreach_copy_` per dtype; the rest (row blocks, dtype casts, other devices, large tensors) one `copy_`
+    each."""
     runs: list[list] = []  # per copy after joining: [first dst, first src, numel, last dst, last src, joined]
     for dst, src in pairs:
         if runs and _contiguous_after(runs[-1][3], dst) and _contiguous_after(runs[-1][4], src):
@@ -229,8 +230,8 @@ def copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for dst, src, numel, _, _, joined in runs:
         if joined:
             dst, src = _joined(dst, numel), _joined(src, numel)
-        if (dst.dtype == src.dtype and numel * src.element_size() < BATCH_BELOW and dst.is_contiguous()
-                and src.is_contiguous()):
+        if (dst.dtype == src.dtype and dst.device == src.device and numel * src.element_size() < BATCH_BELOW
+                and dst.is_contiguous() and src.is_contiguous()):
             dsts, srcs = batched.setdefault(dst.dtype, ([], []))
             dsts.append(dst)
             srcs.append(src)

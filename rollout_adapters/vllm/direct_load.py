@@ -5,9 +5,12 @@ tensors as views of the trainer's memory).
 The destinations come from the model itself: `packed_modules_mapping` names the HF shards of a fused module
 (qkv_proj ← q/k/v, gate_up_proj ← gate/up) and the layer's `output_partition_sizes`, TP rank and KV-head replicas
 give each shard's rows in the parameter and the rows of the full tensor that belong to this rank, as vLLM's
-weight loaders compute them. Only layers without post-load processing qualify (`direct_loadable`: CUDA, unquantized
-linear and embedding methods); any tensor without a destination goes through `model.load_weights`, which on such a
-model is also one copy per tensor.
+weight loaders compute them. Only layers whose post-load processing leaves the loaded tensors as they are qualify
+(`direct_loadable`: CUDA; unquantized linear and embedding methods, KV-cache scale methods, and block FP8 on the
+CUTLASS or Triton GEMM, whose scales `weight_scale_inv` land block row by block row as vLLM's loaders place them);
+any tensor without a destination goes through `model.load_weights`, which on such a model is also one copy per
+tensor. The worker extension uses it for every transport sync of such a model, whether the tensors are views of the
+trainer's memory (weight_sync.one_copy) or of a bucket.
 """
 
 from __future__ import annotations
@@ -64,28 +67,51 @@ class Destination:
 
 
 def direct_loadable(model: torch.nn.Module) -> str | None:
-    """None if every layer of `model` loads by a plain copy with no post-load processing; else why not."""
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    """None if every layer of `model` loads by a plain copy (its post-load processing, if any, leaves the loaded
+    tensors as they are); else why not."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cuda():
         return f"platform {current_platform.device_type}: its unquantized layers repack weights after loading"
     for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
-        if method is not None and not isinstance(method, UnquantizedLinearMethod | UnquantizedEmbeddingMethod):
-            return f"layer {name} uses {type(method).__name__} (post-load processing)"
+        if method is not None and not _loads_as_is(method):
+            kernel = getattr(method, "fp8_linear", None)
+            return (f"layer {name} uses {type(method).__name__}"
+                    + (f" on {type(kernel).__name__}" if kernel is not None else "") + " (post-load processing)")
     return None
 
 
-def _shards(layer: Any, leaf_name: str, packed: dict[str, list[str]]) -> list[tuple[str, int, int, int]] | None:
-    """(HF module name, offset, length, source start) of each shard of a fused column-parallel layer, this rank."""
+def _loads_as_is(method: Any) -> bool:
+    """Whether a layer's quant method keeps what its weight loaders wrote: unquantized layers; KV-cache scale methods
+    (a sync brings no k/v scales: nothing is loaded into them); block FP8 on the CUTLASS or Triton GEMM, whose
+    post-load step changes nothing on CUDA (it converts to e4m3fnuz on ROCm; DeepGEMM's re-lays the scales out and
+    Marlin repacks the weights, so those take the layer-wise reload)."""
+    from vllm.model_executor.kernels.linear.scaled_mm.cutlass import CutlassFp8BlockScaledMMKernel
+    from vllm.model_executor.kernels.linear.scaled_mm.triton import TritonFp8BlockScaledMMKernel
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
+    from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    if isinstance(method, UnquantizedLinearMethod | UnquantizedEmbeddingMethod | BaseKVCacheMethod):
+        return True
+    return (type(method) is Fp8LinearMethod and method.block_quant and not method.use_marlin
+            and type(method.fp8_linear) in (CutlassFp8BlockScaledMMKernel, TritonFp8BlockScaledMMKernel))
+
+
+def _shards(layer: Any, leaf_name: str, packed: dict[str, list[str]], param: torch.Tensor
+            ) -> list[tuple[str, int, int, int]] | None:
+    """(HF module name, offset, length, source start) of each shard of a fused column-parallel layer's `param`,
+    this rank; a block-FP8 scale counts in blocks of rows (partial edge blocks count whole, as vLLM's loader does)."""
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+    from vllm.model_executor.parameter import BlockQuantScaleParameter
 
     parts = packed.get(leaf_name)
     sizes = list(getattr(layer, "output_partition_sizes", []))
     if not parts or len(parts) != len(sizes):
         return None
+    block = int(layer.weight_block_size[0]) if isinstance(param, BlockQuantScaleParameter) else 1
     out, offset = [], 0
     for i, (part, size) in enumerate(zip(parts, sizes)):
         if isinstance(layer, QKVParallelLinear):
@@ -94,7 +120,8 @@ def _shards(layer: Any, leaf_name: str, packed: dict[str, list[str]]) -> list[tu
             shard_rank = layer.tp_rank
         else:
             return None
-        out.append((part, offset, size, shard_rank * size))
+        blocks = -(-size // block)
+        out.append((part, -(-offset // block), blocks, shard_rank * blocks))
         offset += size
     return out
 
@@ -120,7 +147,7 @@ def destination_map(model: torch.nn.Module) -> dict[str, Destination]:
         prefix, _, own = module_name.rpartition(".")
         out_dim = getattr(param, "output_dim", None)
         if isinstance(layer, QKVParallelLinear | MergedColumnParallelLinear):
-            shards = _shards(layer, own, packed)
+            shards = _shards(layer, own, packed, param)
             if shards is None or out_dim is None:
                 continue
             for part, offset, size, src in shards:

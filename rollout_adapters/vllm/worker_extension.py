@@ -98,14 +98,19 @@ class WeightReceiverExtension:
         else:
             rank += self.rank
         model = self.model_runner.get_model()
-        if spec.get("one_copy") and (loader := self._mrl_direct_loader(model)) is not None:
+        one_copy = bool(spec.get("one_copy"))
+        if (loader := self._mrl_direct_loader(model)) is not None:
+            # Straight into the parameters, from the trainer's memory (one_copy) or a bucket: the layer-wise reload
+            # below materialises every layer anew and copies it back (a 4 GB sync into vLLM: 0.09x the device's
+            # copy rate, docs/rollout_backends.md).
             from mrl.weight_sync.handles import HandleReader
 
-            count = receive_into(spec, rank, loader.load, keep_parts=True)
-            self.mrl_last_load = {"one_copy": True, **loader.stats, **HandleReader.last}
+            count = receive_into(spec, rank, loader.load, keep_parts=one_copy)
+            self.mrl_last_load = {"one_copy": one_copy, "direct": True, **loader.stats,
+                                  **(HandleReader.last if one_copy else {})}
             self._mrl_reset_derived_state()
             return count
-        self.mrl_last_load = {"one_copy": False, "why": getattr(self, "_mrl_direct_why", None)}
+        self.mrl_last_load = {"one_copy": one_copy, "direct": False, "why": getattr(self, "_mrl_direct_why", None)}
 
         def load(named: list[tuple[str, torch.Tensor]]) -> None:
             model.load_weights(weights=named)
@@ -117,22 +122,26 @@ class WeightReceiverExtension:
         return count
 
     def _mrl_direct_loader(self, model: Any) -> Any:
-        """A one-copy loader for this model (rollout_adapters/vllm/direct_load.py), or None where the model's
-        layers process weights after loading (then the layer-wise reload below runs, still reading the trainer's
-        memory directly)."""
+        """A direct loader for this model (rollout_adapters/vllm/direct_load.py), or None where the model's
+        layers change their weights after loading (then the layer-wise reload runs, with one_copy still reading
+        the trainer's memory directly)."""
         from rollout_adapters.vllm.direct_load import DirectLoader, direct_loadable
 
-        loader = getattr(self, "_mrl_loader", None)
-        if loader is None or loader.model is not model:  # the map is built once per model
+        if getattr(self, "_mrl_loader_model", None) is not model:  # decided, and the map built, once per model
+            from vllm.logger import init_logger
+
+            self._mrl_loader_model = model
             self._mrl_direct_why = direct_loadable(model)
-            loader = self._mrl_loader = DirectLoader(model) if self._mrl_direct_why is None else None
-        if loader is not None:
-            loader.begin()
-        return loader
+            self._mrl_loader = DirectLoader(model) if self._mrl_direct_why is None else None
+            init_logger(__name__).info("mrl weight syncs load %s", "straight into the parameters"
+                                       if self._mrl_loader else f"layer by layer: {self._mrl_direct_why}")
+        if self._mrl_loader is not None:
+            self._mrl_loader.begin()
+        return self._mrl_loader
 
     def mrl_load_stats(self) -> dict[str, Any]:
-        """How the last transport sync loaded: one_copy (straight into the parameters) and its tensors and bytes
-        copied directly vs through the model's loaders, or why not."""
+        """How the last transport sync loaded: one_copy (from the trainer's memory), direct (straight into the
+        parameters) and its tensors and bytes copied directly vs through the model's loaders, or why not."""
         return dict(getattr(self, "mrl_last_load", {}))
 
     def mrl_weight_sums(self) -> dict[str, float]:
