@@ -54,6 +54,12 @@ def is_quantized(name: str, tensor: torch.Tensor) -> bool:
     return tensor.dim() == 2 and bool(_LINEAR.search(name))
 
 
+def _fp8_max(like: torch.Tensor) -> torch.Tensor:
+    """448 as a 0-dim tensor on `like`'s device, filled there: `new_tensor(448.0)` copies from the host, and a host to
+    GPU copy waits for the device to finish its queue, once per quantised tensor of a sync."""
+    return torch.full((), FP8_MAX, dtype=like.dtype, device=like.device)
+
+
 def quantize(weight: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 bytes of weight's shape, fp32 scales [ceil(N/128), ceil(K/128)]) of one 2-D weight, on its device;
     `ue8m0`: power-of-two scales (the `ue8m0` scale format above).
@@ -69,7 +75,7 @@ def quantize(weight: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, t
     blocks = w.view(rows, BLOCK, cols, BLOCK)
     # |w| is exact in the weight's dtype and widening to fp32 is monotonic: the amax equals vLLM's fp32 one.
     amax = blocks.abs().amax(dim=(1, 3), keepdim=True).float().clamp(min=AMAX_FLOOR)
-    scale = amax / amax.new_tensor(FP8_MAX)  # not `/ FP8_MAX`: see the module's docstring
+    scale = amax / _fp8_max(amax)  # not `/ FP8_MAX`: see the module's docstring
     if ue8m0:
         scale = torch.pow(2.0, torch.ceil(torch.log2(scale)))
     q = (blocks * (1.0 / scale)).to(FP8_DTYPE)
@@ -89,7 +95,7 @@ def _ue8m0_fixed_point(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tens
     (Blocks [rows, 128, cols, 128].)"""
     values = q.float() * scale
     amax = values.abs().amax(dim=(1, 3), keepdim=True).clamp(min=AMAX_FLOOR)
-    scale = torch.pow(2.0, torch.ceil(torch.log2(amax / amax.new_tensor(FP8_MAX))))
+    scale = torch.pow(2.0, torch.ceil(torch.log2(amax / _fp8_max(amax))))
     return (values * (1.0 / scale)).to(FP8_DTYPE), scale
 
 
