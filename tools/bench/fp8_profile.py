@@ -5,8 +5,9 @@ Generation: per variant (a subprocess each, so one engine's memory never meets t
 engine (VLLM_ENABLE_V1_MULTIPROCESSING=0: the model runs in this process, where torch's profiler sees its
 kernels) built by the vllm adapter from the arguments mrl's replica gets (CUDA graphs on, as in a run). It takes
 `--batch` requests of `--response-length` tokens (EOS ignored, the sampled token's log-prob returned, as the
-trainer asks) and is stepped by hand: every step's wall time is kept, and steps `--profile-steps` of the middle of
-the run (mean context about half the response) are profiled. Kernels are grouped by name (gemm, attention, fp8
+trainer asks) and is stepped by hand, with no device sync between steps (vLLM schedules a step while the last one
+runs); `--profile-steps` steps of the middle of the run (mean context about half the response) are profiled, and
+their wall time is taken with the device drained at both ends. Kernels are grouped by name (gemm, attention, fp8
 activation quantisation, sampling and log-probs, norms and activations, other); the table gives ms per step per
 group, the GPU's busy share of the wall time, and the ceiling that an infinitely fast GEMM would give
 (wall / (wall - gemm)): if that ceiling is under 1.2, FP8 GEMMs alone cannot bring generation to 1.2x at this batch.
@@ -92,36 +93,44 @@ def profile_one(model: str, variant: str, args: argparse.Namespace) -> dict[str,
     rng = random.Random(0)
     vocab = len(llm.get_tokenizer())  # the engine validates prompt ids against its tokenizer
 
-    def run(length: int, profiled: range | None = None) -> tuple[list[float], Any]:
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def run(length: int, profiled: range | None = None) -> tuple[list[float], float, Any]:
+        """Host seconds per step (no device sync between steps: vLLM schedules step k+1 while step k runs), and
+        the wall ms per step over the `profiled` steps (device drained at both ends) with their profile."""
         for i in range(args.batch):
             ids = [rng.randrange(3, vocab) for _ in range(32)]
             params = SamplingParams(temperature=1.0, max_tokens=length, ignore_eos=True, logprobs=0, seed=i,
                                     detokenize=False)
             core.add_request(f"{length}-{i}-{rng.random()}", {"prompt_token_ids": ids}, params)
-        steps, prof, step = [], None, 0
+        steps, prof, step, window_ms, start = [], None, 0, float("nan"), 0.0
         while core.has_unfinished_requests():
             if profiled is not None and step == profiled.start:
                 activities = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
+                sync()
                 prof = profile(activities=activities)
                 prof.__enter__()
+                start = time.perf_counter()
             t0 = time.perf_counter()
             core.step()
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
             steps.append(time.perf_counter() - t0)
             if prof is not None and step == profiled.stop - 1:
+                sync()
+                window_ms = 1e3 * (time.perf_counter() - start) / len(profiled)
                 prof.__exit__(None, None, None)
             step += 1
-        return steps, prof
+        return steps, window_ms, prof
 
     run(8)  # warm-up: the first steps of an engine pay one-off costs
     t0 = time.perf_counter()
-    steps, _ = run(args.response_length)
+    steps, _, _ = run(args.response_length)
+    sync()
     total = time.perf_counter() - t0
     middle = args.response_length // 2
     window = range(middle, middle + args.profile_steps)
-    profiled_steps, prof = run(args.response_length, window)
-    wall_ms = 1e3 * sum(profiled_steps[window.start:window.stop]) / len(window)
+    _, wall_ms, prof = run(args.response_length, window)
     kernels: dict[str, float] = {}
     for event in prof.key_averages():
         device_us = getattr(event, "device_time_total", 0.0) or getattr(event, "cuda_time_total", 0.0)
@@ -177,7 +186,7 @@ def report(results: list[dict[str, Any]], quant: dict[str, Any] | None) -> None:
     head = " | ".join(f"{r['variant']:>9}" for r in results)
     print(f"\nms per decode step ({base['batch']} sequences, profiled steps around token {base['middle']}):")
     print(f"{'':<25} | {head}")
-    for label, key in (("wall (profiled)", "profiled_wall_ms"), ("wall (median, unprofiled)", "step_ms_median"),
+    for label, key in (("wall (profiled)", "profiled_wall_ms"), ("host (median, unprofiled)", "step_ms_median"),
                        ("device kernels", "device_ms")):
         print(f"{label:<25} | " + " | ".join(f"{r[key]:9.3f}" for r in results))
     for g in names:
