@@ -60,6 +60,14 @@ GROUPS = (
 )
 
 
+def sync() -> None:
+    """Wait for the device's queue (timings that end on the device)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def group_of(kernel: str) -> str:
     return next((name for name, pattern in GROUPS if pattern.search(kernel)), "other")
 
@@ -92,10 +100,6 @@ def profile_one(model: str, variant: str, args: argparse.Namespace) -> dict[str,
     core = llm.llm_engine
     rng = random.Random(0)
     vocab = len(llm.get_tokenizer())  # the engine validates prompt ids against its tokenizer
-
-    def sync() -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
 
     def run(length: int, profiled: range | None = None) -> tuple[list[float], float, Any]:
         """Host seconds per step (no device sync between steps: vLLM schedules step k+1 while step k runs), and
@@ -140,7 +144,8 @@ def profile_one(model: str, variant: str, args: argparse.Namespace) -> dict[str,
             kernels[event.key] = event.self_cpu_time_total / 1e3 / len(window)
     groups: dict[str, float] = {}
     for name, ms in kernels.items():
-        groups[group_of(name)] = groups.get(group_of(name), 0.0) + ms
+        group = group_of(name)
+        groups[group] = groups.get(group, 0.0) + ms
     del llm
     return {"variant": variant, "batch": args.batch, "middle": middle, "startup_s": startup, "gen_s": total,
             "tokens": args.batch * args.response_length,
@@ -165,13 +170,11 @@ def quantise_pass(model: str, repeats: int) -> dict[str, Any]:
     def timed(fn: Any) -> float:
         times = []
         for _ in range(repeats + 1):
-            if device == "cuda":
-                torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             for t in tensors:
                 fn(t)
-            if device == "cuda":
-                torch.cuda.synchronize()
+            sync()
             times.append(time.perf_counter() - t0)
         return statistics.median(times[1:])
 
