@@ -3,20 +3,22 @@ quantise-on-send pass against a plain device copy of the same weights, in one ru
 
 Generation: per variant (a subprocess each, so one engine's memory never meets the next), an in-process vLLM
 engine (VLLM_ENABLE_V1_MULTIPROCESSING=0: the model runs in this process, where torch's profiler sees its
-kernels) built by the vllm adapter from the arguments mrl's replica gets (CUDA graphs on, as in a run). It takes
-`--batch` requests of `--response-length` tokens (EOS ignored, the sampled token's log-prob returned, as the
-trainer asks) and is stepped by hand, with no device sync between steps (vLLM schedules a step while the last one
-runs); `--profile-steps` steps of the middle of the run (mean context about half the response) are profiled, and
-their wall time is taken with the device drained at both ends. Kernels are grouped by name (gemm, attention, fp8
-activation quantisation, sampling and log-probs, norms and activations, other); the table gives ms per step per
-group, the GPU's busy share of the wall time, and the ceiling that an infinitely fast GEMM would give
-(wall / (wall - gemm)): if that ceiling is under 1.2, FP8 GEMMs alone cannot bring generation to 1.2x at this batch.
+kernels) built by the vllm adapter from the arguments mrl's replica gets (CUDA graphs on, as in a run). For each
+size of `--batch` in turn (several show where FP8 starts to pay), it takes that many requests of
+`--response-length` tokens (EOS ignored, the sampled token's log-prob returned, as the trainer asks) and is stepped
+by hand, with no device sync between steps (vLLM schedules a step while the last one runs); `--profile-steps` steps
+of the middle of the run (mean context about half the response) are profiled, and their wall time is taken with
+the device drained at both ends. Kernels are grouped by name (gemm, attention, fp8 activation quantisation,
+sampling and log-probs, norms and activations, other); the table gives ms per step per group, the GPU's busy share
+of the wall time, and the ceiling that an infinitely fast GEMM would give (wall / (wall - gemm)): if that ceiling
+is under 1.2, FP8 GEMMs alone cannot bring generation to 1.2x at that batch.
 
 Quantise pass: the policy's linear weights (the tensors `rollout.quantization=fp8` quantises) on the device,
 through `mrl.weight_sync.fp8.quantize` one by one, against `clone()` of the same tensors (what a BF16 send costs at
 least), medians of `--repeats`.
 
     python tools/bench/fp8_profile.py --shape 1.5b --variants bf16 fp8kvc        # a GPU machine
+    python tools/bench/fp8_profile.py --shape 1.5b --batch 256 512 --gpu-memory-utilization 0.8  # two batches
     python tools/bench/fp8_profile.py                                            # CPU: a smoke check of the script
 """
 
@@ -31,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,13 +84,14 @@ def engine(model: str, variant: str, args: argparse.Namespace) -> Any:
     on_gpu = torch.cuda.is_available()
     adapter = VLLMAdapter(model, max_model_len=64 + args.response_length, dtype="bfloat16",
                           seed=1, gpu_memory_utilization=args.gpu_memory_utilization if on_gpu else None,
-                          enable_sleep_mode=False, max_num_seqs=args.batch, **VARIANTS[variant])
+                          enable_sleep_mode=False, max_num_seqs=max(args.batch), **VARIANTS[variant])
     adapter.prepare_quantized_model()
     return LLM(**adapter.engine_args)
 
 
-def profile_one(model: str, variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One variant's decode run: wall ms per step, and the kernels of the profiled steps by group."""
+def profile_one(model: str, variant: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One variant's decode runs, one per batch size: wall ms per step, and the kernels of the profiled steps by
+    group."""
     import random
 
     import torch
@@ -101,10 +105,10 @@ def profile_one(model: str, variant: str, args: argparse.Namespace) -> dict[str,
     rng = random.Random(0)
     vocab = len(llm.get_tokenizer())  # the engine validates prompt ids against its tokenizer
 
-    def run(length: int, profiled: range | None = None) -> tuple[list[float], float, Any]:
+    def run(batch: int, length: int, profiled: range | None = None) -> tuple[list[float], float, Any]:
         """Host seconds per step (no device sync between steps: vLLM schedules step k+1 while step k runs), and
         the wall ms per step over the `profiled` steps (device drained at both ends) with their profile."""
-        for i in range(args.batch):
+        for i in range(batch):
             ids = [rng.randrange(3, vocab) for _ in range(32)]
             params = SamplingParams(temperature=1.0, max_tokens=length, ignore_eos=True, logprobs=0, seed=i,
                                     detokenize=False)
@@ -127,14 +131,23 @@ def profile_one(model: str, variant: str, args: argparse.Namespace) -> dict[str,
             step += 1
         return steps, window_ms, prof
 
-    run(8)  # warm-up: the first steps of an engine pay one-off costs
+    run(max(args.batch), 8)  # warm-up: the first steps of an engine pay one-off costs
+    results = [measure(run, batch, args) | {"variant": variant, "startup_s": startup} for batch in args.batch]
+    del llm
+    return results
+
+
+def measure(run: Callable[..., tuple[list[float], float, Any]], batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    """A timed decode of `batch` sequences, then a second one whose middle steps are profiled."""
+    import torch
+
     t0 = time.perf_counter()
-    steps, _, _ = run(args.response_length)
+    steps, _, _ = run(batch, args.response_length)
     sync()
     total = time.perf_counter() - t0
     middle = args.response_length // 2
     window = range(middle, middle + args.profile_steps)
-    _, wall_ms, prof = run(args.response_length, window)
+    _, wall_ms, prof = run(batch, args.response_length, window)
     kernels: dict[str, float] = {}
     for event in prof.key_averages():
         device_us = getattr(event, "device_time_total", 0.0) or getattr(event, "cuda_time_total", 0.0)
@@ -146,10 +159,8 @@ def profile_one(model: str, variant: str, args: argparse.Namespace) -> dict[str,
     for name, ms in kernels.items():
         group = group_of(name)
         groups[group] = groups.get(group, 0.0) + ms
-    del llm
-    return {"variant": variant, "batch": args.batch, "middle": middle, "startup_s": startup, "gen_s": total,
-            "tokens": args.batch * args.response_length,
-            "tokens_per_s": args.batch * args.response_length / total,
+    return {"batch": batch, "middle": middle, "gen_s": total, "tokens": batch * args.response_length,
+            "tokens_per_s": batch * args.response_length / total,
             "step_ms_median": 1e3 * statistics.median(steps), "profiled_wall_ms": wall_ms,
             "device_ms": sum(kernels.values()), "groups_ms": groups,
             "top": sorted(kernels.items(), key=lambda kv: -kv[1])[:15]}
@@ -184,6 +195,16 @@ def quantise_pass(model: str, repeats: int) -> dict[str, Any]:
 
 
 def report(results: list[dict[str, Any]], quant: dict[str, Any] | None) -> None:
+    for batch in dict.fromkeys(r["batch"] for r in results):
+        report_batch([r for r in results if r["batch"] == batch])
+    if quant:
+        print(f"\nquantise pass: {quant['tensors']} linear weights, {quant['gb']:.2f} GB: quantize "
+              f"{1e3 * quant['quantize_s']:.1f} ms, clone {1e3 * quant['clone_s']:.1f} ms "
+              f"(x{quant['quantize_s'] / quant['clone_s']:.2f})")
+
+
+def report_batch(results: list[dict[str, Any]]) -> None:
+    """The variants at one batch size, each against the first."""
     base = results[0]
     names = sorted({g for r in results for g in r["groups_ms"]}, key=lambda g: -base["groups_ms"].get(g, 0.0))
     head = " | ".join(f"{r['variant']:>9}" for r in results)
@@ -202,17 +223,14 @@ def report(results: list[dict[str, Any]], quant: dict[str, Any] | None) -> None:
               f" device busy {r['device_ms'] / wall:.0%} of the wall, gemm {gemm / wall:.0%}; "
               f"ceiling with free GEMMs x{wall / max(wall - gemm, 1e-9):.2f}; engine up in {r['startup_s']:.0f} s")
         print("  top kernels: " + "; ".join(f"{k[:60]} {v:.3f}" for k, v in r["top"][:8]))
-    if quant:
-        print(f"\nquantise pass: {quant['tensors']} linear weights, {quant['gb']:.2f} GB: quantize "
-              f"{1e3 * quant['quantize_s']:.1f} ms, clone {1e3 * quant['clone_s']:.1f} ms "
-              f"(x{quant['quantize_s'] / quant['clone_s']:.2f})")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="smoke", help="smoke (tiny, for CPUs), 0.5b or 1.5b")
     parser.add_argument("--variants", nargs="+", default=["bf16", "fp8kvc"], choices=sorted(VARIANTS))
-    parser.add_argument("--batch", type=int, default=256, help="sequences decoded together")
+    parser.add_argument("--batch", type=int, nargs="+", default=[256], help="sequences decoded together (each "
+                        "size in turn, on the same engine)")
     parser.add_argument("--response-length", type=int, default=1024)
     parser.add_argument("--profile-steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5, help="of the quantise pass")
@@ -232,7 +250,7 @@ def main() -> None:
             env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
             subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", f"{model}:{variant}:{out}"], check=True,
                            env=env)
-            results.append(json.loads(out.read_text()))
+            results += json.loads(out.read_text())
         quant = quantise_pass(model, args.repeats)
     report(results, quant)
     if args.json:
