@@ -81,6 +81,15 @@ if [[ -n "${MIRROR:-}" ]]; then
   mkdir -p "$MIRROR"; (while sleep 15; do mirror; done) & MIRROR_LOOP=$!
   trap 'kill $MIRROR_LOOP 2>/dev/null; mirror' EXIT
 fi
+# Kill what a stage left (its engines, Ray's processes), but none of this script's callers: a device call's own
+# command line names /tmp/gpusite/vllm, and a plain `pkill -f vllm` ended the call before the last mirror.
+kill_leftovers() {
+  local callers=" " pid=$$ p
+  while [[ -n $pid && $pid != 0 ]]; do callers+="$pid "; pid=$(ps -o ppid= -p "$pid" 2>/dev/null | tr -d ' '); done
+  for p in $(pgrep -f "vllm|ray::|raylet|gcs_server|EngineCore"); do
+    [[ $callers == *" $p "* ]] || kill -9 "$p" 2>/dev/null
+  done
+}
 for named in "${STAGES[@]}"; do
   stage=${named%%:*}; limit=${LIMIT[$stage]}; [[ $named == *:* ]] && limit=${named##*:}
   start=$(date +%s)
@@ -95,7 +104,7 @@ for named in "${STAGES[@]}"; do
   # (vLLM's own log, its throughput lines included, goes to the workers' stdout, the .out files).
   find /tmp/ray/session_latest/logs \( -name '*.err' -o -name '*.out' \) -newer "$DIR/.stage_start" -size +0 -exec tail -n "$lines" {} + \
     > "$DIR/$stage.ray.log" 2>/dev/null
-  pkill -9 -f "vllm|ray::|raylet|gcs_server|EngineCore" > /dev/null 2>&1; sleep 3  # a stage killed at its limit leaves its engine
+  kill_leftovers; sleep 3  # a stage killed at its limit leaves its engine
   echo "=== $stage rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$DIR/summary.txt"
   grep -E "passed|failed|error|ratios|^== |Error|assert|direct/path|direct \\||client \\||agent x" "$DIR/$stage.log" | tail -n 8 >> "$DIR/summary.txt"
 done
