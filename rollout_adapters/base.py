@@ -298,6 +298,11 @@ class RolloutAdapter(ABC):
         a sync delivered exactly the export; backends without a way to read them raise."""
         raise NotImplementedError(f"the {self.backend!r} backend cannot read its weights back")
 
+    async def load_stats(self) -> dict[str, Any]:
+        """How the last transport sync loaded, as far as the backend says (vLLM: straight into the parameters or
+        layer by layer, and why); empty where it does not."""
+        return {}
+
     async def shutdown(self) -> None:
         return None
 

@@ -420,6 +420,11 @@ class LLMServerManager:
 
         return [load(packed) for packed in self._all("read_weights")]
 
+    def load_stats(self) -> list[dict[str, Any]]:
+        """How the last transport sync loaded, per engine (a PD replica's members each): vLLM says whether it went
+        straight into the parameters (`direct`) or layer by layer, and why."""
+        return [s for each in self._all("load_stats") for s in (each if isinstance(each, list) else [each])]
+
     def abort_all(self) -> list[int]:
         with self._lock:
             self._paused = True

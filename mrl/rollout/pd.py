@@ -270,6 +270,10 @@ class PDRouter:
             if not self.paused:
                 await self._all("resume_generation")
 
+    async def load_stats(self) -> list[dict[str, Any]]:
+        """Each member's, prefill first."""
+        return list((await self._all("load_stats")).values())
+
     async def abort_all(self) -> dict[str, int]:
         self.paused = True
         return await self._all("abort_all")

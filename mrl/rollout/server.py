@@ -141,6 +141,10 @@ class RolloutServer:
 
         return save(await self.adapter.read_weights())
 
+    async def load_stats(self) -> dict[str, Any]:
+        """How the last transport sync loaded into the engine (rollout_adapters' load_stats)."""
+        return await self.adapter.load_stats()
+
     async def events(self) -> list[str]:
         return list(self.adapter.events)
 

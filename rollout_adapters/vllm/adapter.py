@@ -267,6 +267,9 @@ class VLLMAdapter(RolloutAdapter):
 
         return load((await self.engine.collective_rpc("mrl_read_weights"))[0])
 
+    async def load_stats(self) -> dict[str, Any]:
+        return (await self.engine.collective_rpc("mrl_load_stats"))[0]
+
     async def _clear_prefix_cache(self) -> None:
         await self.engine.reset_prefix_cache()
 

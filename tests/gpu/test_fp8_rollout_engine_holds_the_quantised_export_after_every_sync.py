@@ -83,6 +83,10 @@ def test_fp8_engine_holds_the_quantised_export_after_every_sync(gpu_ray, tmp_pat
             history.append(trainer.step())
             bad, full = engine_matches_quantised_export(trainer)
             assert bad == [], f"step {trainer.global_steps}"
+            # CUTLASS keeps what is loaded, so the sync goes straight into the parameters; DeepGEMM re-lays the
+            # scales out after loading, so vLLM's layer-wise reload runs (docs/fp8.md).
+            (stats,) = trainer.parts.rollout.load_stats()
+            assert stats["direct"] is (gemm == "cutlass"), stats
     finally:
         shutdown(trainer)
     mismatch = [h["rollout/logprob_mismatch"] for h in history]

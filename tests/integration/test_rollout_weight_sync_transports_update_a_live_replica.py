@@ -39,6 +39,13 @@ def test_transport_loads_new_weights_into_the_replica(manager, hf_models, transp
         assert out.version == version
         assert max_logprob_error(hf_models[1], PROMPT, out) <= 1e-4
         assert max_logprob_error(hf_models[0], PROMPT, out) > 1e-2, "log-probs still follow the old weights"
+        # vLLM says how it loaded: on CPU its layers repack weights after loading, so layer by layer (the direct
+        # path is checked on CUDA, tests/gpu); the hf backend does not say.
+        (stats,) = manager.load_stats()
+        if manager.spec.backend == "vllm":
+            assert stats["direct"] is False and stats["why"].startswith("platform cpu"), stats
+        else:
+            assert stats == {}, stats
     finally:
         restore_seed0(manager, hf_models)
 

@@ -77,6 +77,7 @@ def run(ray_cluster, tmp_path_factory):
         out = asyncio.run(trainer.parts.rollout.client().generate("probe", PROMPT, sampling))
         gap = trainer_gap(trainer, "probe", PROMPT, out)
         return {"metrics": metrics, "health": health, "out": out, "gap": gap,
+                "load_stats": trainer.parts.rollout.load_stats(),
                 "on_ray": object_store_update(replica, trainer.parts.pool)}
     finally:
         shutdown(trainer)
@@ -95,6 +96,8 @@ def test_every_sync_reaches_both_members_from_the_rank_on_each_slot(run):
     for m in run["metrics"]:
         assert m["weight_sync/senders"] == 2  # rank 0 → prefill (slot 0), rank 1 → decode (slot 1)
         assert m["weight_sync/bytes_sliced"] == 0
+    # Each member's vLLM says how it loaded (layer by layer on CPU, which repacks weights after loading).
+    assert [(s["direct"], s["why"].split(":")[0]) for s in run["load_stats"]] == [(False, "platform cpu")] * 2
 
 
 def test_decode_member_serves_the_new_weights(run):
