@@ -128,6 +128,9 @@ QWEN2_5_SHAPES: dict[str, dict] = {
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768),
+    # A width where a decode step's GEMMs outweigh its attention (FP8 rollout's speed, docs/fp8.md).
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=32768),
 }
 
 # A Qwen3-MoE shape for the GPU benchmarks (tools/bench/e2e_gpu.py): 64 experts, top-8, 24 layers, 2.6B parameters of

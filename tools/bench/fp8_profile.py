@@ -227,7 +227,7 @@ def report_batch(results: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="smoke", help="smoke (tiny, for CPUs), 0.5b or 1.5b")
+    parser.add_argument("--shape", default="smoke", help="smoke (tiny, for CPUs), 0.5b, 1.5b or 7b")
     parser.add_argument("--variants", nargs="+", default=["bf16", "fp8kvc"], choices=sorted(VARIANTS))
     parser.add_argument("--batch", type=int, nargs="+", default=[256], help="sequences decoded together (each "
                         "size in turn, on the same engine)")
