@@ -33,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,29 +91,40 @@ def engine(model: str, variant: str, args: argparse.Namespace) -> Any:
 def profile_one(model: str, variant: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """One variant's decode runs, one per batch size: wall ms per step, and the kernels of the profiled steps by
     group."""
-    import random
-
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-    from vllm import SamplingParams
-
     start = time.monotonic()
     llm = engine(model, variant, args)
     startup = time.monotonic() - start
-    core = llm.llm_engine
-    rng = random.Random(0)
-    vocab = len(llm.get_tokenizer())  # the engine validates prompt ids against its tokenizer
+    decoder = Decoder(llm, args.response_length)
+    decoder.run(max(args.batch), 8)  # warm-up: the first steps of an engine pay one-off costs
+    results = [decoder.measure(batch, args.profile_steps) | {"variant": variant, "startup_s": startup}
+               for batch in args.batch]
+    del llm
+    return results
 
-    def run(batch: int, length: int, profiled: range | None = None) -> tuple[list[float], float, Any]:
+
+class Decoder:
+    """Steps an in-process engine by hand through batches of random prompts, each request `length` tokens long."""
+
+    def __init__(self, llm: Any, length: int) -> None:
+        import random
+
+        self.core, self.length, self.rng = llm.llm_engine, length, random.Random(0)
+        self.vocab = len(llm.get_tokenizer())  # the engine validates prompt ids against its tokenizer
+
+    def run(self, batch: int, length: int, profiled: range | None = None) -> tuple[list[float], float, Any]:
         """Host seconds per step (no device sync between steps: vLLM schedules step k+1 while step k runs), and
         the wall ms per step over the `profiled` steps (device drained at both ends) with their profile."""
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+        from vllm import SamplingParams
+
         for i in range(batch):
-            ids = [rng.randrange(3, vocab) for _ in range(32)]
+            ids = [self.rng.randrange(3, self.vocab) for _ in range(32)]
             params = SamplingParams(temperature=1.0, max_tokens=length, ignore_eos=True, logprobs=0, seed=i,
                                     detokenize=False)
-            core.add_request(f"{length}-{i}-{rng.random()}", {"prompt_token_ids": ids}, params)
+            self.core.add_request(f"{length}-{i}-{self.rng.random()}", {"prompt_token_ids": ids}, params)
         steps, prof, step, window_ms, start = [], None, 0, float("nan"), 0.0
-        while core.has_unfinished_requests():
+        while self.core.has_unfinished_requests():
             if profiled is not None and step == profiled.start:
                 activities = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
                 sync()
@@ -122,7 +132,7 @@ def profile_one(model: str, variant: str, args: argparse.Namespace) -> list[dict
                 prof.__enter__()
                 start = time.perf_counter()
             t0 = time.perf_counter()
-            core.step()
+            self.core.step()
             steps.append(time.perf_counter() - t0)
             if prof is not None and step == profiled.stop - 1:
                 sync()
@@ -131,39 +141,33 @@ def profile_one(model: str, variant: str, args: argparse.Namespace) -> list[dict
             step += 1
         return steps, window_ms, prof
 
-    run(max(args.batch), 8)  # warm-up: the first steps of an engine pay one-off costs
-    results = [measure(run, batch, args) | {"variant": variant, "startup_s": startup} for batch in args.batch]
-    del llm
-    return results
+    def measure(self, batch: int, profile_steps: int) -> dict[str, Any]:
+        """A timed decode of `batch` sequences, then a second one whose middle steps are profiled."""
+        import torch
 
-
-def measure(run: Callable[..., tuple[list[float], float, Any]], batch: int, args: argparse.Namespace) -> dict[str, Any]:
-    """A timed decode of `batch` sequences, then a second one whose middle steps are profiled."""
-    import torch
-
-    t0 = time.perf_counter()
-    steps, _, _ = run(batch, args.response_length)
-    sync()
-    total = time.perf_counter() - t0
-    middle = args.response_length // 2
-    window = range(middle, middle + args.profile_steps)
-    _, wall_ms, prof = run(batch, args.response_length, window)
-    kernels: dict[str, float] = {}
-    for event in prof.key_averages():
-        device_us = getattr(event, "device_time_total", 0.0) or getattr(event, "cuda_time_total", 0.0)
-        if torch.cuda.is_available() and event.device_type.name == "CUDA" and device_us:
-            kernels[event.key] = device_us / 1e3 / len(window)
-        elif not torch.cuda.is_available() and event.self_cpu_time_total:
-            kernels[event.key] = event.self_cpu_time_total / 1e3 / len(window)
-    groups: dict[str, float] = {}
-    for name, ms in kernels.items():
-        group = group_of(name)
-        groups[group] = groups.get(group, 0.0) + ms
-    return {"batch": batch, "middle": middle, "gen_s": total, "tokens": batch * args.response_length,
-            "tokens_per_s": batch * args.response_length / total,
-            "step_ms_median": 1e3 * statistics.median(steps), "profiled_wall_ms": wall_ms,
-            "device_ms": sum(kernels.values()), "groups_ms": groups,
-            "top": sorted(kernels.items(), key=lambda kv: -kv[1])[:15]}
+        t0 = time.perf_counter()
+        steps, _, _ = self.run(batch, self.length)
+        sync()
+        total = time.perf_counter() - t0
+        middle = self.length // 2
+        window = range(middle, middle + profile_steps)
+        _, wall_ms, prof = self.run(batch, self.length, window)
+        kernels: dict[str, float] = {}
+        for event in prof.key_averages():
+            device_us = getattr(event, "device_time_total", 0.0) or getattr(event, "cuda_time_total", 0.0)
+            if torch.cuda.is_available() and event.device_type.name == "CUDA" and device_us:
+                kernels[event.key] = device_us / 1e3 / len(window)
+            elif not torch.cuda.is_available() and event.self_cpu_time_total:
+                kernels[event.key] = event.self_cpu_time_total / 1e3 / len(window)
+        groups: dict[str, float] = {}
+        for name, ms in kernels.items():
+            group = group_of(name)
+            groups[group] = groups.get(group, 0.0) + ms
+        return {"batch": batch, "middle": middle, "gen_s": total, "tokens": batch * self.length,
+                "tokens_per_s": batch * self.length / total,
+                "step_ms_median": 1e3 * statistics.median(steps), "profiled_wall_ms": wall_ms,
+                "device_ms": sum(kernels.values()), "groups_ms": groups,
+                "top": sorted(kernels.items(), key=lambda kv: -kv[1])[:15]}
 
 
 def quantise_pass(model: str, repeats: int) -> dict[str, Any]:
