@@ -98,7 +98,6 @@ def profile_one(model: str, variant: str, args: argparse.Namespace) -> list[dict
     decoder.run(max(args.batch), 8)  # warm-up: the first steps of an engine pay one-off costs
     results = [decoder.measure(batch, args.profile_steps) | {"variant": variant, "startup_s": startup}
                for batch in args.batch]
-    del llm
     return results
 
 
