@@ -13,11 +13,12 @@
 # moeprof, the MoE update alone at both MoE shapes, its speed-ups switched off one at a time, and its kernel profile
 # (tools/bench/engine.py); moeupd, the MoE update's whole step, its optimizer step included, at 2.9B (the same
 # bench); moe29 then moe29r3, the MoE step at the 2.9B shape of Qwen3-30B-A3B's layer widths, without and with R3;
-# fp8fp32, the read-back test's fp32 scale format; fp8cut, the same on the CUTLASS block GEMM; fp8kv, FP8 weights
-# and KV cache at 1.5B against bench15's JSON of the same lease (ARGS_fp8kv="--variants fp8kvc": on CUTLASS);
-# fp8pair, BF16 then FP8 weights and KV cache on CUTLASS at 1.5B in one run, two steps each (one device call);
-# chaintask then fp8learn, FP8 rollout with token TIS beside BF16 on the chain task; fp8prof, the 1.5B decode step's
-# kernels in BF16 and FP8 and the quantise-on-send pass, tools/bench/fp8_profile.py; fp8prof7, the same at 7B).
+# fp8fp32, the read-back test's fp32 scale format; fp8cut, the fused quantiser against torch's, then the read-back
+# on the CUTLASS block GEMM; fp8kv, FP8 weights and KV cache at 1.5B against bench15's JSON of the same lease
+# (ARGS_fp8kv="--variants fp8kvc": on CUTLASS); fp8pair, BF16 then FP8 weights and KV cache on CUTLASS at 1.5B in
+# one run, two steps each (one device call); chaintask then fp8learn, FP8 rollout with token TIS beside BF16 and
+# the lr-0 control on the chain task; fp8prof, the 1.5B decode step's kernels in BF16 and FP8 and the
+# quantise-on-send pass, tools/bench/fp8_profile.py; fp8prof7, the same at 7B).
 # STAGE:SECONDS overrides a stage's time limit (a tight device lease);
 # ARGS_<stage> in the environment is appended to the stage's command, e.g. ARGS_corr="--only off,decoupled".
 # MIRROR=FOLDER copies what the stages write into FOLDER as they go (below).
@@ -62,12 +63,12 @@ declare -A CMD=(
   [moe26r3]="python3 tools/bench/e2e_gpu.py --shapes moe2.6b --variants r3 --direct none $QUICK $MOE --baseline-json $DIR/e2e_moe.json --json $DIR/e2e_moe_r3.json"
   [fp8fp32]="python3 -m pytest $T/test_fp8_rollout_engine_holds_the_quantised_export_after_every_sync.py -k fp32 -q -s --timeout=480"
   [fp8pair]="python3 tools/bench/e2e_gpu.py --shapes 1.5b --variants none fp8kvc --direct none --steps 2 --no-warm-start --work-dir $DIR/runs --json $DIR/e2e_fp8pair.json"
-  [fp8cut]="python3 -m pytest $T/test_fp8_rollout_engine_holds_the_quantised_export_after_every_sync.py -k cutlass -q -s --timeout=300"
+  [fp8cut]="python3 -m pytest $T/test_fp8_fused_quantiser_matches_torch_bit_for_bit.py -q; python3 -m pytest $T/test_fp8_rollout_engine_holds_the_quantised_export_after_every_sync.py -k cutlass -q -s --timeout=300"
   [fp8kv]="python3 tools/bench/e2e_gpu.py --shapes 1.5b --variants fp8kv --direct none $QUICK --baseline-json $DIR/e2e_1.5b.json --json $DIR/e2e_fp8kv.json"
   [fp8prof]="python3 tools/bench/fp8_profile.py --shape 1.5b --variants bf16 fp8kvc --batch 256 512 --gpu-memory-utilization 0.8 --json $DIR/fp8prof.json"
   [fp8prof7]="python3 tools/bench/fp8_profile.py --shape 7b --variants bf16 fp8kvc --batch 256 --gpu-memory-utilization 0.8 --repeats 3 --json $DIR/fp8prof7.json"
   [chaintask]="python3 tools/bench/learn_gpu.py --shape 0.1b --write-task $DIR/chain"
-  [fp8learn]="python3 tools/bench/learn_gpu.py --shape 0.1b --task $DIR/chain --out $DIR/fp8learn --stages grpo --grpo-runs 1:1:5e-6 1:1:5e-6:fp8 --side-by-side --grpo-seconds 300"
+  [fp8learn]="python3 tools/bench/learn_gpu.py --shape 0.1b --task $DIR/chain/task --out $DIR/fp8learn --stages grpo control --grpo-runs 1:1:5e-6 1:1:5e-6:fp8 --side-by-side --grpo-seconds 300 --control-seconds 300"
   [engine]="python3 -m pytest $T/test_bridge_export_matches_hf_on_cuda.py $T/test_engine_sdpa_attention_loss_matches_local_spec_on_cuda.py $T/test_engine_tp1_on_gpu_matches_hf.py $T/test_weight_sync_cuda_ipc_delivers_bit_identical_stream.py -q --timeout=300"
 )
 declare -A LIMIT=([sleep]=300 [learn]=600 [bench05]=480 [peak]=600 [async]=400 [bench15]=600 [engine]=300 [genlayers]=600 [corr]=600 [lora]=600 [moe]=480 [onecopy]=600 [chain]=2400 [fp8]=1800 [rm]=480 [moe26]=540 [moe26r3]=480 [moe26both]=570 [moeprof]=360 [moeupd]=240 [moe29]=540 [moe29r3]=420 [fp8fp32]=480 [fp8cut]=300 [fp8pair]=500 [fp8kv]=560 [fp8prof]=540 [fp8prof7]=590 [chaintask]=300 [fp8learn]=560)

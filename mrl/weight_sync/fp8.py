@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from bridges.export import stream_tags
+from mrl.weight_sync import fp8_fused
 
 BLOCK = 128
 FP8_DTYPE = torch.float8_e4m3fn
@@ -62,11 +63,18 @@ def _fp8_max(like: torch.Tensor) -> torch.Tensor:
 
 def quantize(weight: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 bytes of weight's shape, fp32 scales [ceil(N/128), ceil(K/128)]) of one 2-D weight, on its device;
-    `ue8m0`: power-of-two scales (the `ue8m0` scale format above).
-
-    Only a shape that is not a multiple of the block is padded (with zeros, which leave every block's amax as it
-    is); the one full-size temporary is the fp32 product that is cast to e4m3.
+    `ue8m0`: power-of-two scales (the `ue8m0` scale format above). On a CUDA device with hardware e4m3 conversion
+    and fp32 scales, one fused kernel (mrl.weight_sync.fp8_fused), else `quantize_with_torch`: the same bits.
     """
+    if not ue8m0 and weight.numel() < 2**31 and fp8_fused.available(weight.device):
+        return fp8_fused.quantize(weight)  # the same bits in one kernel launch (its docstring)
+    return quantize_with_torch(weight, ue8m0)
+
+
+def quantize_with_torch(weight: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize` in torch operations, on any device (the reference the fused kernel is checked against). Only a
+    shape that is not a multiple of the block is padded (with zeros, which leave every block's amax as it is); the
+    one full-size temporary is the fp32 product that is cast to e4m3."""
     n, k = weight.shape
     rows, cols = -(-n // BLOCK), -(-k // BLOCK)
     w = weight.detach()

@@ -14,8 +14,8 @@ of the wall time, and the ceiling that an infinitely fast GEMM would give (wall 
 is under 1.2, FP8 GEMMs alone cannot bring generation to 1.2x at that batch.
 
 Quantise pass: the policy's linear weights (the tensors `rollout.quantization=fp8` quantises) on the device,
-through `mrl.weight_sync.fp8.quantize` one by one, against `clone()` of the same tensors (what a BF16 send costs at
-least), medians of `--repeats`.
+through `mrl.weight_sync.fp8.quantize` one by one (on a GPU the fused kernel), through the torch quantiser, and
+`clone()` of the same tensors (what a BF16 send costs at least), medians of `--repeats`.
 
     python tools/bench/fp8_profile.py --shape 1.5b --variants bf16 fp8kvc        # a GPU machine
     python tools/bench/fp8_profile.py --shape 1.5b --batch 256 512 --gpu-memory-utilization 0.8  # two batches
@@ -170,11 +170,12 @@ class Decoder:
 
 
 def quantise_pass(model: str, repeats: int) -> dict[str, Any]:
-    """Seconds to quantise every linear weight of `model` on the device, and to clone the same tensors."""
+    """Seconds to quantise every linear weight of `model` on the device (as a sync does, and with the torch
+    quantiser), and to clone the same tensors."""
     import torch
     from safetensors.torch import load_file
 
-    from mrl.weight_sync.fp8 import is_quantized, quantize
+    from mrl.weight_sync.fp8 import is_quantized, quantize, quantize_with_torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tensors = []
@@ -192,9 +193,9 @@ def quantise_pass(model: str, repeats: int) -> dict[str, Any]:
             times.append(time.perf_counter() - t0)
         return statistics.median(times[1:])
 
-    quant, clone = timed(quantize), timed(torch.clone)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    return {"tensors": len(tensors), "gb": nbytes / 1e9, "quantize_s": quant, "clone_s": clone}
+    return {"tensors": len(tensors), "gb": nbytes / 1e9, "quantize_s": timed(quantize),
+            "torch_quantize_s": timed(quantize_with_torch), "clone_s": timed(torch.clone)}
 
 
 def report(results: list[dict[str, Any]], quant: dict[str, Any] | None) -> None:
@@ -202,8 +203,9 @@ def report(results: list[dict[str, Any]], quant: dict[str, Any] | None) -> None:
         report_batch([r for r in results if r["batch"] == batch])
     if quant:
         print(f"\nquantise pass: {quant['tensors']} linear weights, {quant['gb']:.2f} GB: quantize "
-              f"{1e3 * quant['quantize_s']:.1f} ms, clone {1e3 * quant['clone_s']:.1f} ms "
-              f"(x{quant['quantize_s'] / quant['clone_s']:.2f})")
+              f"{1e3 * quant['quantize_s']:.1f} ms (x{quant['quantize_s'] / quant['clone_s']:.2f} of a clone), torch "
+              f"quantiser {1e3 * quant['torch_quantize_s']:.1f} ms "
+              f"(x{quant['torch_quantize_s'] / quant['clone_s']:.2f}), clone {1e3 * quant['clone_s']:.1f} ms")
 
 
 def report_batch(results: list[dict[str, Any]]) -> None:
