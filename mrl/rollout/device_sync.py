@@ -18,6 +18,7 @@ A replica whose load failed keeps its old version (the adapter stamps a version 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,16 +52,26 @@ def tp_slices_pair(footprint: Footprint, trainer_tp: int) -> bool:
 
 @dataclass
 class SentBytes:
-    """What one rank sent: tensors and bytes, as TP slices and as whole tensors."""
+    """What one rank sent: tensors and bytes, as TP slices and as whole tensors; and where its host time went:
+    making the stream (export, and quantising with rollout.quantization=fp8) and waiting for the receivers to
+    acknowledge buckets (ipc), so a slow sync shows which side it waited on."""
 
     tensors: int = 0
     sliced: int = 0
     whole: int = 0
     receivers: list[str] = field(default_factory=list)
     one_copy: bool = False  # sent as handles of the trainer's own memory (weight_sync.one_copy on CUDA)
+    produce_s: float = 0.0  # host seconds inside the stream's own generators
+    ack_wait_s: float = 0.0  # host seconds the sender waited for receivers (ipc)
 
     def count(self, stream: Iterable[tuple]) -> Iterator[tuple]:
-        for item in stream:
+        items = iter(stream)
+        while True:
+            start = time.perf_counter()
+            item = next(items, None)
+            self.produce_s += time.perf_counter() - start
+            if item is None:
+                return
             nbytes = item[1].numel() * item[1].element_size()
             if stream_tags(item[2:])[0] is not None:
                 self.sliced += nbytes
@@ -71,7 +82,8 @@ class SentBytes:
 
     def metrics(self) -> dict[str, Any]:
         return {"tensors": self.tensors, "bytes_sliced": self.sliced, "bytes_whole": self.whole,
-                "bytes_one_copy": (self.sliced + self.whole) if self.one_copy else 0, "receivers": self.receivers}
+                "bytes_one_copy": (self.sliced + self.whole) if self.one_copy else 0, "receivers": self.receivers,
+                "produce_s": self.produce_s, "ack_wait_s": self.ack_wait_s}
 
 
 def _drain(stream: Iterator[tuple]) -> None:
@@ -109,6 +121,7 @@ def sync_per_device(manager: Any, stream: Iterable[tuple], version: int, bucket_
         if sender is not None:
             sender.init_process_group()
             sender.send_weights(sent.count(stream))
+            sent.ack_wait_s = sender.ack_wait_s
             sender.finalize()
     except BaseException as failure:  # every rank must reach the verdict below
         error = f"{type(failure).__name__}: {failure}"

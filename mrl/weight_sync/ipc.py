@@ -48,6 +48,7 @@ class IpcSender(WeightSender):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.one_copy = one_copy and self.device.type == "cuda"
         self.shared: dict[str, float] = {}  # one_copy: buckets, storage handles, staged bytes of the last sync
+        self.ack_wait_s = 0.0  # host seconds the last send waited for the receivers' acknowledgements
         self.buffers: list[torch.Tensor] = []
         self.ring: list[torch.Tensor] = []  # one_copy: the staging ring (handles.share_buckets), kept to the end
         self._files: list[str] = []
@@ -114,6 +115,7 @@ class IpcSender(WeightSender):
             c.wait(f"bucket {old} acknowledged", {r: c.key("ack", old, r) for r in receivers})
             for event in self.loaded[old % NUM_BUFFERS] if self.one_copy else ():
                 torch.cuda.current_stream(self.device).wait_event(event)  # before the bucket's tensors are freed
+        self.ack_wait_s = waited[0]
         if self.one_copy:
             self.shared.update(ack_wait_s=waited[0], send_start=started, announced_at=announced)
         return count

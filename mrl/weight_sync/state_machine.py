@@ -91,7 +91,8 @@ class StandaloneWeightSync:
 def device_sync_metrics(per_rank: list[dict[str, Any]]) -> dict[str, float]:
     """Step metrics from every rank's sync result (per device, rank 0's stream, or the adapters): bytes sent per
     device (the busiest one) and in all, split into TP slices and whole tensors, how many of them went by one copy
-    (weight_sync.one_copy), and tensors sent."""
+    (weight_sync.one_copy), and tensors sent; the slowest rank's host seconds making its stream (export, quantise)
+    and waiting for its receivers (ipc)."""
     ranks = [r for r in per_rank if isinstance(r, dict) and "bytes_whole" in r]
     if not ranks:
         return {}
@@ -102,4 +103,6 @@ def device_sync_metrics(per_rank: list[dict[str, Any]]) -> dict[str, float]:
             "weight_sync/bytes_sliced": float(sum(r["bytes_sliced"] for r in ranks)),
             "weight_sync/bytes_whole": float(sum(r["bytes_whole"] for r in ranks)),
             "weight_sync/bytes_one_copy": float(sum(r.get("bytes_one_copy", 0) for r in ranks)),
-            "weight_sync/senders": float(sum(bool(r["receivers"]) for r in ranks))}
+            "weight_sync/senders": float(sum(bool(r["receivers"]) for r in ranks)),
+            "weight_sync/produce_s": float(max(r.get("produce_s", 0.0) for r in ranks)),
+            "weight_sync/ack_wait_s": float(max(r.get("ack_wait_s", 0.0) for r in ranks))}

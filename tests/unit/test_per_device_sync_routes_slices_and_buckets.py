@@ -4,6 +4,8 @@ cores a multi-rank vLLM-CPU engine is bound to."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from bridges.export import TpSlice
@@ -52,9 +54,11 @@ def test_sent_bytes_split_slices_from_whole_tensors_and_metrics_take_the_busiest
     assert (sent.tensors, sent.sliced, sent.whole) == (2, 16, 8)
     idle = SentBytes().metrics()
     metrics = device_sync_metrics([sent.metrics(), idle])
+    produce_s = metrics.pop("weight_sync/produce_s")
+    assert 0.0 < produce_s == sent.produce_s  # the busiest rank's, not a sum
     assert metrics == {"weight_sync/device_bytes_max": 24.0, "weight_sync/bytes_total": 24.0,
                        "weight_sync/tensors": 2.0, "weight_sync/bytes_sliced": 16.0, "weight_sync/bytes_whole": 8.0,
-                       "weight_sync/bytes_one_copy": 0.0, "weight_sync/senders": 1.0}
+                       "weight_sync/bytes_one_copy": 0.0, "weight_sync/senders": 1.0, "weight_sync/ack_wait_s": 0.0}
     sent.one_copy = True  # shared as the trainer's own memory: every byte it sent went by one copy
     assert device_sync_metrics([sent.metrics(), idle])["weight_sync/bytes_one_copy"] == 24.0
     assert device_sync_metrics([{}, {"replica_tensors": [3]}]) == {}  # a result without bytes reports none
@@ -65,3 +69,16 @@ def test_multi_rank_vllm_cpu_engines_get_disjoint_core_groups():
     assert len(groups) == 2
     cores = [set(g.split(",")) for g in groups]
     assert not (cores[0] & cores[1]) or len(cores[0] | cores[1]) == 1  # shared only on a one-core host
+
+
+def test_sent_bytes_times_the_stream_it_counts_not_the_consumer():
+    def slow_export():
+        for name in "abc":
+            time.sleep(0.02)  # export and quantise happen inside the stream's generators
+            yield name, torch.zeros(2)
+
+    sent = SentBytes()
+    for _ in sent.count(slow_export()):
+        time.sleep(0.05)  # the transport's own work on each tensor is not the stream's
+    assert sent.tensors == 3
+    assert 0.06 <= sent.produce_s < 0.15
