@@ -66,7 +66,7 @@ def quantize(weight: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, t
     `ue8m0`: power-of-two scales (the `ue8m0` scale format above). On a CUDA device with hardware e4m3 conversion
     and fp32 scales, one fused kernel (mrl.weight_sync.fp8_fused), else `quantize_with_torch`: the same bits.
     """
-    if not ue8m0 and weight.numel() < 2**31 and fp8_fused.available(weight.device):
+    if not ue8m0 and fp8_fused.addressable(weight) and fp8_fused.available(weight.device):
         return fp8_fused.quantize(weight)  # the same bits in one kernel launch (its docstring)
     return quantize_with_torch(weight, ue8m0)
 

@@ -62,6 +62,12 @@ def available(device: torch.device) -> bool:
     return True
 
 
+def addressable(weight: torch.Tensor) -> bool:
+    """Whether the kernel's 32-bit offsets reach every element of `weight` (rows × row stride: a column slice of a
+    wider tensor spans more than its own elements)."""
+    return weight.shape[0] * max(weight.stride(0), weight.shape[1]) < 2**31
+
+
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 bytes of weight's shape, fp32 scales [ceil(N/128), ceil(K/128)]), as mrl.weight_sync.fp8.quantize with
     fp32 scales; `weight` is 2-D on a device where `available()`."""

@@ -124,3 +124,14 @@ def test_scales_divide_by_a_tensor_so_cuda_and_cpu_round_alike(ue8m0):
     with DivisorsSeen() as seen:
         quantize(weight((256, 384), torch.bfloat16, seed=3), ue8m0=ue8m0)
     assert seen.divisors and all(isinstance(d, torch.Tensor) for d in seen.divisors), seen.divisors
+
+
+def test_the_fused_kernel_is_used_only_where_it_runs_and_its_offsets_reach():
+    """The fused Triton kernel (mrl/weight_sync/fp8_fused.py; tests/gpu checks its bits) never runs on the CPU, and
+    never on a tensor whose rows × row stride passes its 32-bit offsets (a column slice spans its parent's rows)."""
+    from mrl.weight_sync import fp8_fused
+
+    assert not fp8_fused.available(torch.device("cpu"))
+    wide = torch.empty(2**12, 2**19, dtype=FP8_DTYPE)  # 2^31 elements, 2 GiB
+    assert fp8_fused.addressable(wide[:, :BLOCK]) is False and fp8_fused.addressable(wide[: 2**11, :BLOCK]) is True
+    assert fp8_fused.addressable(torch.empty(256, 384).t())  # transposed: copied to rows first, n × k elements
