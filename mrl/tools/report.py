@@ -36,7 +36,8 @@ THROUGHPUT, MFU = "perf/tokens_per_s_per_gpu", "perf/mfu"
 # Stages timed inside another stage (the trainer scores rewards while it samples): their parent's bar excludes them.
 NESTED_STAGES = {"timing_s/reward": "timing_s/gen",
                  **{f"timing_s/sync/{part}": "timing_s/update_weights"
-                    for part in ("wake_weights", "update", "offload", "wake_kv_cache")}}
+                    for part in ("wake_weights", "update", "offload", "wake_kv_cache")},
+                 **{f"timing_s/sync/{part}": "timing_s/sync/update" for part in ("produce", "ack_wait")}}
 
 
 def metrics_file(run: str | Path) -> Path:

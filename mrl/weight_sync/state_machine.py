@@ -104,5 +104,5 @@ def device_sync_metrics(per_rank: list[dict[str, Any]]) -> dict[str, float]:
             "weight_sync/bytes_whole": float(sum(r["bytes_whole"] for r in ranks)),
             "weight_sync/bytes_one_copy": float(sum(r.get("bytes_one_copy", 0) for r in ranks)),
             "weight_sync/senders": float(sum(bool(r["receivers"]) for r in ranks)),
-            "weight_sync/produce_s": float(max(r.get("produce_s", 0.0) for r in ranks)),
-            "weight_sync/ack_wait_s": float(max(r.get("ack_wait_s", 0.0) for r in ranks))}
+            "timing_s/sync/produce": float(max(r.get("produce_s", 0.0) for r in ranks)),
+            "timing_s/sync/ack_wait": float(max(r.get("ack_wait_s", 0.0) for r in ranks))}

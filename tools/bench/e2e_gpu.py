@@ -44,6 +44,7 @@ from typing import Any
 
 REWARD_FN = "mrl.data.synthetic:exact_match_reward"
 SYNC_PARTS = ("sync/wake_weights", "sync/update", "sync/offload", "sync/wake_kv_cache")
+SYNC_UPDATE_PARTS = ("sync/produce", "sync/ack_wait")  # inside sync/update: the sender's stream, its waits
 HANDOVER = ("handover/sleep", "handover/onload")
 COMPUTE = ("gen", "old_log_prob", "update_actor")
 KEPT = ("timing_s/", "perf/", "memory/", "rollout/", "rollout_corr/", "weight_sync/", "actor/")
@@ -197,7 +198,8 @@ def report(shape: str, mrl: dict[str, Any], direct: dict[str, Any] | None, warm_
         "startup_cold_s": mrl["startup_s"], "startup_warm_s": warm_s,
     }
     print(f"\n== {shape}: step {step:.2f} s (median of steps 2..), {gen_tokens:.0f} generated tokens per step")
-    for name in (*COMPUTE, *MODEL_STAGES, *HANDOVER, *SYNC_PARTS, "update_weights", "reward", "balance", "adv"):
+    for name in (*COMPUTE, *MODEL_STAGES, *HANDOVER, *SYNC_PARTS, *SYNC_UPDATE_PARTS, "update_weights", "reward",
+                 "balance", "adv"):
         if name in t:
             print(f"  {name:<20} {t[name]:8.3f} s  {100 * t[name] / step:5.1f}%")
     for key in sorted(k for k in m if k.startswith(("perf/", "memory/", "rollout/logprob"))):
