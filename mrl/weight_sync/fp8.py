@@ -116,11 +116,18 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
 
 
 def quantized_stream(stream: Iterable[tuple], ue8m0: bool = False) -> Iterator[tuple]:
-    """The export stream with each linear weight replaced by its e4m3 bytes followed by `<name>_scale_inv`, one
-    tensor at a time (`ue8m0`: power-of-two scales). A TP slice (weight_sync.tp_slices) is quantised on its own,
-    which equals the same rows of the whole tensor's quantisation when the slice is whole blocks along its cut (what
-    vLLM requires of block-FP8 TP layouts); its scales travel as the same slice of the scale tensor."""
+    """The export stream with each linear weight replaced by its e4m3 bytes, one tensor at a time (`ue8m0`:
+    power-of-two scales), and its `<name>_scale_inv` after the last weight of the same module (q/k/v/o, gate/up/down
+    of one layer or expert): the engine fuses q/k/v and gate/up into one parameter, and a receiver copies a run of
+    weights that lie back to back in both the bucket and that parameter in one launch, which a scale between them
+    would split. A TP slice (weight_sync.tp_slices) is quantised on its own, which equals the same rows of the whole
+    tensor's quantisation when the slice is whole blocks along its cut (what vLLM requires of block-FP8 TP layouts);
+    its scales travel as the same slice of the scale tensor."""
+    scales: list[tuple] = []  # the current module's, sent when it ends (each is a few hundred bytes)
     for name, tensor, *tags in stream:
+        if scales and not (is_quantized(name, tensor) and _module(name) == _module(scales[0][0])):
+            yield from scales
+            scales = []
         tp_slice, blocks = stream_tags(tags)
         if blocks and _LINEAR.search(name):
             raise ValueError(f"rollout.quantization=fp8: {name} arrived as row blocks (weight_sync.one_copy), which "
@@ -134,7 +141,13 @@ def quantized_stream(stream: Iterable[tuple], ue8m0: bool = False) -> Iterator[t
                              "them too (use an engine TP that divides the layer into 128-multiples)")
         q, scale = quantize(tensor, ue8m0)
         yield (name, q, *tags)
-        yield (name + SCALE_SUFFIX, scale, *tags)
+        scales.append((name + SCALE_SUFFIX, scale, *tags))
+    yield from scales
+
+
+def _module(name: str) -> str:
+    """`model.layers.3.self_attn` of `model.layers.3.self_attn.q_proj.weight` (or of its scale)."""
+    return name.rsplit(".", 2)[0]
 
 
 def write_quantized_copy(source: str, target: str, ue8m0: bool = False) -> str:

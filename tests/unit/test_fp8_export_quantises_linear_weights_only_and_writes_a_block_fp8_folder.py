@@ -35,7 +35,9 @@ def test_linear_weights_become_fp8_with_scales_and_the_rest_passes(family, tmp_p
     assert projections and any(".experts." in n for n in projections) == (family == "qwen3_moe")
     for name in projections:
         assert sent[name].dtype == FP8_DTYPE and sent[name].shape == hf[name].shape
-        assert names.index(name + SCALE_SUFFIX) == names.index(name) + 1  # the scale follows its weight
+        # the scale comes after its weight, with only its module's weights and scales between them
+        module, at, scale_at = name.rsplit(".", 2)[0], names.index(name), names.index(name + SCALE_SUFFIX)
+        assert at < scale_at and all(n.rsplit(".", 2)[0] == module for n in names[at:scale_at])
         q, scale = quantize(hf[name])
         assert torch.equal(sent[name].view(torch.uint8), q.view(torch.uint8)) and torch.equal(sent[name + SCALE_SUFFIX],
                                                                                               scale)
@@ -46,6 +48,15 @@ def test_linear_weights_become_fp8_with_scales_and_the_rest_passes(family, tmp_p
     for name in kept:
         assert sent[name] is hf[name]
     assert len(out) == len(hf) + len(projections)
+
+
+def test_a_modules_scales_follow_its_last_weight_so_fused_projections_stay_back_to_back():
+    w = torch.ones(128, 128, dtype=torch.bfloat16)
+    stream = [(f"l.attn.{p}_proj.weight", w) for p in "qkvo"] + [("l.norm.weight", w[0])] + \
+        [(f"l.mlp.{p}_proj.weight", w) for p in ("gate", "up", "down")]
+    names = [n for n, *_ in quantized_stream(stream)]
+    attn, mlp = [f"l.attn.{p}_proj.weight" for p in "qkvo"], [f"l.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    assert names == attn + [n + SCALE_SUFFIX for n in attn] + ["l.norm.weight"] + mlp + [n + SCALE_SUFFIX for n in mlp]
 
 
 def test_a_tp_slice_of_whole_blocks_is_the_whole_tensors_rows():
