@@ -52,9 +52,11 @@ def tp_slices_pair(footprint: Footprint, trainer_tp: int) -> bool:
 
 @dataclass
 class SentBytes:
-    """What one rank sent: tensors and bytes, as TP slices and as whole tensors; and where its host time went:
-    making the stream (export, and quantising with rollout.quantization=fp8) and waiting for the receivers to
-    acknowledge buckets (ipc), so a slow sync shows which side it waited on."""
+    """What one rank sent: tensors and bytes, as TP slices and as whole tensors; and where its host time went, so a
+    slow sync shows which side it waited on (ipc, per device): setting the sync up (the pool's view, the senders'
+    buffers and handles, starting the replicas' receive), sending (inside it: making the stream, i.e. the export and
+    quantising with rollout.quantization=fp8, and waiting for the receivers to acknowledge buckets), and rank 0's
+    wait for the replicas to finish loading after its last bucket."""
 
     tensors: int = 0
     sliced: int = 0
@@ -63,6 +65,9 @@ class SentBytes:
     one_copy: bool = False  # sent as handles of the trainer's own memory (weight_sync.one_copy on CUDA)
     produce_s: float = 0.0  # host seconds inside the stream's own generators
     ack_wait_s: float = 0.0  # host seconds the sender waited for receivers (ipc)
+    setup_s: float = 0.0
+    send_s: float = 0.0  # produce_s and ack_wait_s are part of it
+    replica_wait_s: float = 0.0
 
     def count(self, stream: Iterable[tuple]) -> Iterator[tuple]:
         items = iter(stream)
@@ -83,7 +88,8 @@ class SentBytes:
     def metrics(self) -> dict[str, Any]:
         return {"tensors": self.tensors, "bytes_sliced": self.sliced, "bytes_whole": self.whole,
                 "bytes_one_copy": (self.sliced + self.whole) if self.one_copy else 0, "receivers": self.receivers,
-                "produce_s": self.produce_s, "ack_wait_s": self.ack_wait_s}
+                "produce_s": self.produce_s, "ack_wait_s": self.ack_wait_s, "setup_s": self.setup_s,
+                "send_s": self.send_s, "replica_wait_s": self.replica_wait_s}
 
 
 def _drain(stream: Iterator[tuple]) -> None:
@@ -96,7 +102,7 @@ def sync_per_device(manager: Any, stream: Iterable[tuple], version: int, bucket_
     """Run on every trainer rank (collective over the default process group): send `stream` to the engine
     workers on this rank's slot, stamped `version`. Returns this rank's `SentBytes.metrics()` (rank 0 adds
     "replica_tensors": tensors loaded per replica)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, started = dist.get_rank(), dist.get_world_size(), time.perf_counter()
     registered = [manager.servers_for_transport_sync(version) if rank == 0 else None]
     dist.broadcast_object_list(registered, src=0)  # every rank acts on rank 0's one view of the pool
     handles: dict[str, Any] = registered[0]  # type: ignore[assignment]
@@ -120,20 +126,24 @@ def sync_per_device(manager: Any, stream: Iterable[tuple], version: int, bucket_
     try:
         if sender is not None:
             sender.init_process_group()
+            sent.setup_s, sending = time.perf_counter() - started, time.perf_counter()
             sender.send_weights(sent.count(stream))
             sent.ack_wait_s = sender.ack_wait_s
             sender.finalize()
+            sent.send_s = time.perf_counter() - sending
     except BaseException as failure:  # every rank must reach the verdict below
         error = f"{type(failure).__name__}: {failure}"
         sender.finalize(wait=False)  # type: ignore[union-attr]
     _drain(stream)
     counts: list[int] = []
     if rank == 0 and refs:
+        waiting = time.perf_counter()
         try:
             wait_within(refs, timeout_s, "weight sync (ipc, per device) receive and load on replicas", TIMEOUT_KNOB)
             counts = ray.get(list(refs.values()))
         except Exception as failure:
             error = error or f"{type(failure).__name__}: {failure}"
+        sent.replica_wait_s = time.perf_counter() - waiting
     errors: list[Any] = [None] * world
     dist.all_gather_object(errors, error)
     failed = {r: e for r, e in enumerate(errors) if e is not None}

@@ -37,7 +37,9 @@ THROUGHPUT, MFU = "perf/tokens_per_s_per_gpu", "perf/mfu"
 NESTED_STAGES = {"timing_s/reward": "timing_s/gen",
                  **{f"timing_s/sync/{part}": "timing_s/update_weights"
                     for part in ("wake_weights", "update", "offload", "wake_kv_cache")},
-                 **{f"timing_s/sync/{part}": "timing_s/sync/update" for part in ("produce", "ack_wait")}}
+                 **{f"timing_s/sync/{part}": "timing_s/sync/update" for part in ("setup", "send", "replica_wait")},
+                 **{f"timing_s/sync/{part}": "timing_s/sync/send" for part in ("produce", "ack_wait")},
+                 "timing_s/sync/quantize": "timing_s/sync/produce"}
 
 
 def metrics_file(run: str | Path) -> Path:

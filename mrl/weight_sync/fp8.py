@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -115,14 +116,16 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
     return (q.float() * expanded).to(dtype)
 
 
-def quantized_stream(stream: Iterable[tuple], ue8m0: bool = False) -> Iterator[tuple]:
+def quantized_stream(stream: Iterable[tuple], ue8m0: bool = False, spent: dict[str, float] | None = None
+                     ) -> Iterator[tuple]:
     """The export stream with each linear weight replaced by its e4m3 bytes, one tensor at a time (`ue8m0`:
     power-of-two scales), and its `<name>_scale_inv` after the last weight of the same module (q/k/v/o, gate/up/down
     of one layer or expert): the engine fuses q/k/v and gate/up into one parameter, and a receiver copies a run of
     weights that lie back to back in both the bucket and that parameter in one launch, which a scale between them
     would split. A TP slice (weight_sync.tp_slices) is quantised on its own, which equals the same rows of the whole
     tensor's quantisation when the slice is whole blocks along its cut (what vLLM requires of block-FP8 TP layouts);
-    its scales travel as the same slice of the scale tensor."""
+    its scales travel as the same slice of the scale tensor. `spent["quantize_s"]` gathers the host seconds spent
+    quantising (a sync's metrics split its stream's time with it)."""
     scales: list[tuple] = []  # the current module's, sent when it ends (each is a few hundred bytes)
     for name, tensor, *tags in stream:
         if scales and not (is_quantized(name, tensor) and _module(name) == _module(scales[0][0])):
@@ -139,7 +142,10 @@ def quantized_stream(stream: Iterable[tuple], ue8m0: bool = False) -> Iterator[t
             raise ValueError(f"rollout.quantization=fp8: {name}'s TP slice has {tensor.shape[tp_slice.dim]} rows "
                              f"along dim {tp_slice.dim}, not whole {BLOCK}-blocks; vLLM's block-FP8 layers need "
                              "them too (use an engine TP that divides the layer into 128-multiples)")
+        start = time.perf_counter()
         q, scale = quantize(tensor, ue8m0)
+        if spent is not None:
+            spent["quantize_s"] = spent.get("quantize_s", 0.0) + time.perf_counter() - start
         yield (name, q, *tags)
         scales.append((name + SCALE_SUFFIX, scale, *tags))
     yield from scales

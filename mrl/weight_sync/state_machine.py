@@ -88,11 +88,16 @@ class StandaloneWeightSync:
         log.info("weight sync v%d: %s %.3f s", report.version, name, report.seconds[name])
 
 
+# Parts of `timing_s/sync/update` (an ipc sync), each the slowest rank's: produce and ack_wait lie inside send, and
+# quantize (rollout.quantization=fp8) inside produce.
+IPC_SYNC_PARTS = ("setup", "send", "produce", "quantize", "ack_wait", "replica_wait")
+
+
 def device_sync_metrics(per_rank: list[dict[str, Any]]) -> dict[str, float]:
     """Step metrics from every rank's sync result (per device, rank 0's stream, or the adapters): bytes sent per
     device (the busiest one) and in all, split into TP slices and whole tensors, how many of them went by one copy
-    (weight_sync.one_copy), and tensors sent; the slowest rank's host seconds making its stream (export, quantise)
-    and waiting for its receivers (ipc)."""
+    (weight_sync.one_copy), and tensors sent; the slowest rank's host seconds in each part of an ipc sync
+    (mrl.rollout.device_sync.SentBytes)."""
     ranks = [r for r in per_rank if isinstance(r, dict) and "bytes_whole" in r]
     if not ranks:
         return {}
@@ -104,5 +109,5 @@ def device_sync_metrics(per_rank: list[dict[str, Any]]) -> dict[str, float]:
             "weight_sync/bytes_whole": float(sum(r["bytes_whole"] for r in ranks)),
             "weight_sync/bytes_one_copy": float(sum(r.get("bytes_one_copy", 0) for r in ranks)),
             "weight_sync/senders": float(sum(bool(r["receivers"]) for r in ranks)),
-            "timing_s/sync/produce": float(max(r.get("produce_s", 0.0) for r in ranks)),
-            "timing_s/sync/ack_wait": float(max(r.get("ack_wait_s", 0.0) for r in ranks))}
+            **{f"timing_s/sync/{part}": float(max(r.get(f"{part}_s", 0.0) for r in ranks))
+               for part in IPC_SYNC_PARTS}}

@@ -369,30 +369,32 @@ class ActorRolloutRefWorker(StoreClient, DeviceHandover, Worker):
                                                                                  trainer_tp)
             # one copy: the sender shares fused QKV's q/k/v as row blocks of the trainer's memory (no export copy)
             blocks = ws.one_copy and torch.cuda.is_available()
-            stream = self._quantized(self.actor.engine.export_weights(tp_slices=slices, row_blocks=blocks))
-            return sync_per_device(self.rollout, stream, global_steps, ws.bucket_size_mb << 20, ws.timeout_s,
-                                   **ws.sender_kwargs())
+            spent: dict[str, float] = {}
+            stream = self._quantized(self.actor.engine.export_weights(tp_slices=slices, row_blocks=blocks), spent)
+            return {**sync_per_device(self.rollout, stream, global_steps, ws.bucket_size_mb << 20, ws.timeout_s,
+                                      **ws.sender_kwargs()), **spent}
         stream = self.actor.engine.export_weights()
         if self.rank == 0 and self.rollout is not None:
             from mrl.rollout.device_sync import SentBytes
 
-            sent = SentBytes(receivers=["rollout"])
-            stream = sent.count(self._quantized(stream))  # bytes as sent: FP8 ones with rollout.quantization=fp8
+            sent, spent = SentBytes(receivers=["rollout"]), {}
+            stream = sent.count(self._quantized(stream, spent))  # bytes as sent: FP8 ones with quantization=fp8
             counts = self.rollout.update_weights(stream, global_steps, ws.bucket_size_mb << 20,
                                                  transport=ws.transport, timeout_s=ws.timeout_s, **ws.sender_kwargs())
-            return {**sent.metrics(), "replica_tensors": counts}
+            return {**sent.metrics(), **spent, "replica_tensors": counts}
         for _ in stream:
             pass
         return {}
 
-    def _quantized(self, stream: Iterator[tuple]) -> Iterator[tuple]:
+    def _quantized(self, stream: Iterator[tuple], spent: dict[str, float]) -> Iterator[tuple]:
         """The export as the engine loads it: with rollout.quantization=fp8 each linear weight becomes block-FP8
-        bytes and scales, quantised here on the trainer's device tensor by tensor (mrl/weight_sync/fp8.py)."""
+        bytes and scales, quantised here on the trainer's device tensor by tensor (mrl/weight_sync/fp8.py), the host
+        seconds it takes gathered in `spent["quantize_s"]`."""
         if self.config.rollout.quantization != "fp8":
             return stream
         from mrl.weight_sync.fp8 import quantized_stream
 
-        return quantized_stream(stream, ue8m0=self.config.rollout.fp8_scale_format == "ue8m0")
+        return quantized_stream(stream, self.config.rollout.fp8_scale_format == "ue8m0", spent)
 
     def _sync_adapter(self, version: int) -> dict[str, Any]:
         """actor.lora.sync=adapter: every rank joins the adapters' gather; rank 0 writes them as a PEFT folder

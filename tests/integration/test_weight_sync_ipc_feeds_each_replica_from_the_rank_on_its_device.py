@@ -111,9 +111,15 @@ def test_each_rank_feeds_the_replica_on_its_slot_whole_tensors(two_tp1_replicas)
     assert all(r["bytes_sliced"] == 0 and r["bytes_whole"] > 0 for r in per_rank)
     assert per_rank[0]["bytes_whole"] == per_rank[1]["bytes_whole"]  # each device received the whole model
     assert metrics["weight_sync/senders"] == 2 and metrics["weight_sync/bytes_sliced"] == 0
-    # where each rank's send spent its host time: making the stream (export) and waiting for its worker
+    # where each rank's sync spent its host time: setting up, then sending (inside it: making the stream, i.e. the
+    # export, and waiting for its worker); rank 0 then waits for every replica's last load
+    assert all(r["setup_s"] > 0 and r["send_s"] >= r["produce_s"] + r["ack_wait_s"] for r in per_rank)
     assert all(r["produce_s"] > 0 and r["ack_wait_s"] >= 0 for r in per_rank)
+    assert per_rank[0]["replica_wait_s"] > 0 and per_rank[1]["replica_wait_s"] == 0
     assert metrics["timing_s/sync/produce"] > 0 and metrics["timing_s/sync/ack_wait"] >= 0  # the step's sync
+    assert metrics["timing_s/sync/send"] >= metrics["timing_s/sync/produce"]
+    parts = [metrics[f"timing_s/sync/{part}"] for part in ("setup", "send", "replica_wait")]
+    assert max(parts) <= metrics["timing_s/sync/update"]
     for rank, gap in two_tp1_replicas["gaps"].items():
         assert gap["version"] == 2, rank
         assert gap["rollout/logprob_abs_diff_max"] <= 1e-4, (rank, gap)

@@ -54,7 +54,11 @@ def test_a_modules_scales_follow_its_last_weight_so_fused_projections_stay_back_
     w = torch.ones(128, 128, dtype=torch.bfloat16)
     stream = [(f"l.attn.{p}_proj.weight", w) for p in "qkvo"] + [("l.norm.weight", w[0])] + \
         [(f"l.mlp.{p}_proj.weight", w) for p in ("gate", "up", "down")]
-    names = [n for n, *_ in quantized_stream(stream)]
+    spent: dict[str, float] = {}
+    names = [n for n, *_ in quantized_stream(stream, spent=spent)]
+    assert spent["quantize_s"] > 0  # the host seconds a sync's metrics report as timing_s/sync/quantize
+    untouched: dict[str, float] = {}
+    assert [n for n, *_ in quantized_stream(stream[4:5], spent=untouched)] == ["l.norm.weight"] and not untouched
     attn, mlp = [f"l.attn.{p}_proj.weight" for p in "qkvo"], [f"l.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
     assert names == attn + [n + SCALE_SUFFIX for n in attn] + ["l.norm.weight"] + mlp + [n + SCALE_SUFFIX for n in mlp]
 

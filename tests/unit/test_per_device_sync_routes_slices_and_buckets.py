@@ -58,7 +58,9 @@ def test_sent_bytes_split_slices_from_whole_tensors_and_metrics_take_the_busiest
     assert 0.0 < produce_s == sent.produce_s  # the busiest rank's, not a sum
     assert metrics == {"weight_sync/device_bytes_max": 24.0, "weight_sync/bytes_total": 24.0,
                        "weight_sync/tensors": 2.0, "weight_sync/bytes_sliced": 16.0, "weight_sync/bytes_whole": 8.0,
-                       "weight_sync/bytes_one_copy": 0.0, "weight_sync/senders": 1.0, "timing_s/sync/ack_wait": 0.0}
+                       "weight_sync/bytes_one_copy": 0.0, "weight_sync/senders": 1.0, "timing_s/sync/ack_wait": 0.0,
+                       "timing_s/sync/setup": 0.0, "timing_s/sync/send": 0.0, "timing_s/sync/replica_wait": 0.0,
+                       "timing_s/sync/quantize": 0.0}
     sent.one_copy = True  # shared as the trainer's own memory: every byte it sent went by one copy
     assert device_sync_metrics([sent.metrics(), idle])["weight_sync/bytes_one_copy"] == 24.0
     assert device_sync_metrics([{}, {"replica_tensors": [3]}]) == {}  # a result without bytes reports none

@@ -44,7 +44,9 @@ from typing import Any
 
 REWARD_FN = "mrl.data.synthetic:exact_match_reward"
 SYNC_PARTS = ("sync/wake_weights", "sync/update", "sync/offload", "sync/wake_kv_cache")
-SYNC_UPDATE_PARTS = ("sync/produce", "sync/ack_wait")  # inside sync/update: the sender's stream, its waits
+# inside sync/update: setting up, sending (inside it: the sender's stream, with its FP8 quantising, and its waits for
+# acknowledgements), the wait for the replicas' last loads
+SYNC_UPDATE_PARTS = ("sync/setup", "sync/send", "sync/produce", "sync/quantize", "sync/ack_wait", "sync/replica_wait")
 HANDOVER = ("handover/sleep", "handover/onload")
 COMPUTE = ("gen", "old_log_prob", "update_actor")
 KEPT = ("timing_s/", "perf/", "memory/", "rollout/", "rollout_corr/", "weight_sync/", "actor/")
