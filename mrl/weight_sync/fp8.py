@@ -128,14 +128,15 @@ def quantized_stream(stream: Iterable[tuple], ue8m0: bool = False, spent: dict[s
     quantising (a sync's metrics split its stream's time with it)."""
     scales: list[tuple] = []  # the current module's, sent when it ends (each is a few hundred bytes)
     for name, tensor, *tags in stream:
-        if scales and not (is_quantized(name, tensor) and _module(name) == _module(scales[0][0])):
+        quantised = is_quantized(name, tensor)
+        if scales and not (quantised and _module(name) == _module(scales[0][0])):
             yield from scales
             scales = []
         tp_slice, blocks = stream_tags(tags)
         if blocks and _LINEAR.search(name):
             raise ValueError(f"rollout.quantization=fp8: {name} arrived as row blocks (weight_sync.one_copy), which "
                              "are not quantised; one_copy is refused with fp8 at start-up")
-        if not is_quantized(name, tensor):
+        if not quantised:
             yield (name, tensor, *tags)
             continue
         if tp_slice is not None and tensor.shape[tp_slice.dim] % BLOCK:
