@@ -71,7 +71,7 @@ declare -A CMD=(
   [fp8learn]="python3 tools/bench/learn_gpu.py --shape 0.1b --task $DIR/chain/task --out $DIR/fp8learn --stages grpo control --grpo-runs 1:1:5e-6 1:1:5e-6:fp8 --side-by-side --grpo-seconds 300 --control-seconds 300"
   [engine]="python3 -m pytest $T/test_bridge_export_matches_hf_on_cuda.py $T/test_engine_sdpa_attention_loss_matches_local_spec_on_cuda.py $T/test_engine_tp1_on_gpu_matches_hf.py $T/test_weight_sync_cuda_ipc_delivers_bit_identical_stream.py -q --timeout=300"
 )
-declare -A LIMIT=([sleep]=300 [learn]=600 [bench05]=480 [peak]=600 [async]=400 [bench15]=600 [engine]=300 [genlayers]=600 [corr]=600 [lora]=600 [moe]=480 [onecopy]=600 [chain]=2400 [fp8]=1800 [rm]=480 [moe26]=540 [moe26r3]=480 [moe26both]=570 [moeprof]=360 [moeupd]=240 [moe29]=540 [moe29r3]=420 [fp8fp32]=480 [fp8cut]=300 [fp8pair]=580 [fp8kv]=560 [fp8prof]=540 [fp8prof7]=590 [chaintask]=300 [fp8learn]=560)
+declare -A LIMIT=([sleep]=300 [learn]=600 [bench05]=480 [peak]=600 [async]=400 [bench15]=600 [engine]=300 [genlayers]=600 [corr]=600 [lora]=600 [moe]=480 [onecopy]=600 [chain]=2400 [fp8]=1800 [rm]=480 [moe26]=540 [moe26r3]=480 [moe26both]=570 [moeprof]=360 [moeupd]=240 [moe29]=540 [moe29r3]=420 [fp8fp32]=480 [fp8cut]=300 [fp8pair]=580 [fp8kv]=560 [fp8prof]=540 [fp8prof7]=590 [chaintask]=420 [fp8learn]=560)
 STAGES=("$@"); [[ ${#STAGES[@]} == 0 ]] && STAGES=(sleep learn bench05 peak async bench15 engine)
 # MIRROR=FOLDER (a device call's $OUT): copy the summary, the logs, the JSON figures and every run's metrics.jsonl
 # there every 15 s and at the end, so a call the lease cuts short still brings back what the stages wrote.
