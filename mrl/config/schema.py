@@ -308,6 +308,12 @@ class RolloutConfig:
     # Generate data.max_response_length tokens whatever the model samples (EOS does not stop a response): fixed
     # lengths for benchmarks; training runs leave it off.
     ignore_eos: bool = False
+    # Seed every request (trainer.seed, the step or group and the sample's index): the same run samples the same
+    # tokens. False leaves the draws to the engine's own generator. Why turn it off: vLLM's V1 sampler draws the
+    # noise of seeded requests one request at a time (the draws alone: 2.3 ms more per decode step at 256 running
+    # requests on an H100, tools/bench/seeded_sampling.py), and vLLM 0.25 keeps MoE models other than Qwen2-MoE,
+    # DeepSeek-V2 and Granite-MoE, and runs with R3, on V1; its V2 runner (dense models) draws all rows at once.
+    seed_requests: bool = True
     # Fraction of device memory the inference engine may take (weights + KV cache): vLLM gpu_memory_utilization,
     # SGLang --mem-fraction-static, TensorRT-LLM kv_cache_config.free_gpu_memory_fraction (a share of the memory
     # left after its weights). CPU engines size their KV cache by VLLM_CPU_KVCACHE_SPACE instead.

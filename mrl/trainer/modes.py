@@ -49,8 +49,8 @@ class AsyncTrainer(PPOTrainer):
 
     def submit_group(self, prompt: Prompt, index: int) -> ray.ObjectRef:
         # Seeds follow the group's start order, not the step: a group may start during any step.
-        seed = self.config.trainer.seed * 1_000_003 + index * 10_007
-        return self.parts.agent_loops.submit(prompt, self.config.rollout.n, {**self.sampling(train=True), "seed": seed})
+        params = {**self.sampling(train=True), "seed": self.request_seed(index * 10_007)}
+        return self.parts.agent_loops.submit(prompt, self.config.rollout.n, params)
 
     def sample(self) -> list[dict[str, Any]]:
         self.producer.start()

@@ -530,9 +530,13 @@ class PPOTrainer:
 
     def sampling(self, train: bool) -> dict[str, Any]:
         r = self.config.rollout
-        seed = self.config.trainer.seed * 1_000_003 + self.global_steps * 10_007 + (0 if train else 7)
-        return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "logprobs": True, "seed": seed,
-                "ignore_eos": r.ignore_eos}
+        return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "logprobs": True,
+                "seed": self.request_seed(self.global_steps * 10_007 + (0 if train else 7)), "ignore_eos": r.ignore_eos}
+
+    def request_seed(self, offset: int) -> int | None:
+        """The seed of a group's first sample (the client adds each sample's index), or None where
+        rollout.seed_requests is off."""
+        return self.config.trainer.seed * 1_000_003 + offset if self.config.rollout.seed_requests else None
 
     def step_metrics(self, trajectories: list[dict[str, Any]], actor_out: list[dict],
                      mismatch: dict[str, float]) -> dict:

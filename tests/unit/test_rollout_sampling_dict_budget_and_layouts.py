@@ -91,3 +91,21 @@ def test_hf_sampler_greedy_topk_topp_and_logprobs_of_the_sampled_distribution():
     assert logp == pytest.approx(float(torch.log_softmax(logits / 3.0, -1)[token]))
     token, logp = sample_token(logits, {**base, "temperature": 5.0, "top_k": 2}, gen)
     assert logp == pytest.approx(float(torch.log_softmax(logits[:2] / 5.0, -1)[token]))
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+def test_trainer_seeds_each_request_unless_seed_requests_is_off(seeded):
+    from types import SimpleNamespace
+
+    from mrl.config.schema import RolloutConfig, TrainerConfig
+    from mrl.trainer.ppo_trainer import PPOTrainer
+
+    trainer = SimpleNamespace(config=SimpleNamespace(rollout=RolloutConfig(seed_requests=seeded),
+                                                     trainer=TrainerConfig(seed=5)), global_steps=3)
+    trainer.request_seed = lambda offset: PPOTrainer.request_seed(trainer, offset)
+    train, val = PPOTrainer.sampling(trainer, train=True), PPOTrainer.sampling(trainer, train=False)
+    if seeded:  # distinct per step and between training and validation draws
+        assert train["seed"] == 5 * 1_000_003 + 3 * 10_007 and val["seed"] == train["seed"] + 7
+    else:
+        assert train["seed"] is None and val["seed"] is None
+    assert normalize_sampling(train)["seed"] == train["seed"]  # what every adapter receives
