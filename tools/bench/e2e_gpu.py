@@ -58,6 +58,9 @@ VARIANTS = {"none": [], "fp8": ["rollout.quantization=fp8"], "r3": ["actor.megat
             "fp8c": ["rollout.quantization=fp8", "rollout.fp8_gemm=cutlass"],
             "fp8kvc": ["rollout.quantization=fp8", "rollout.fp8_gemm=cutlass",
                        "+rollout.engine_kwargs.kv_cache_dtype=fp8"],
+            # R3 without per-request seeds: vLLM's V1 runner (which R3 needs) draws seeded requests one at a time
+            "unseeded": ["rollout.seed_requests=false"],
+            "r3u": ["actor.megatron.router_replay=rollout", "rollout.seed_requests=false"],
             "rm": ["reward.models=[{{name:rm,path:'{rm}',placement:colocated}}]"],
             "distill": ["algorithm.distill.enable=true", "algorithm.distill.teacher_path={teacher}"]}
 MODEL_STAGES = ("reward_colocated", "teacher")  # the stages of the rm and distill variants
@@ -256,7 +259,8 @@ def main() -> None:
                         help="variants to run per shape, in this order (the first is the baseline): none, fp8 "
                              "(rollout.quantization=fp8), fp8kv (and an FP8 KV cache), fp8c / fp8kvc (the same on "
                              "the CUTLASS block GEMM), r3 (router replay, MoE "
-                             "shapes), rm (a colocated reward model), distill (a teacher)")
+                             "shapes), unseeded / r3u (rollout.seed_requests=false; with R3), rm (a colocated "
+                             "reward model), distill (a teacher)")
     parser.add_argument("--json", help="write every figure here")
     parser.add_argument("--work-dir", help="keep the task and each run's metrics.jsonl here (default: a temporary "
                                            "folder, removed at the end): a run cut short leaves the steps it made")
