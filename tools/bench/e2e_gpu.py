@@ -58,7 +58,8 @@ VARIANTS = {"none": [], "fp8": ["rollout.quantization=fp8"], "r3": ["actor.megat
             "fp8c": ["rollout.quantization=fp8", "rollout.fp8_gemm=cutlass"],
             "fp8kvc": ["rollout.quantization=fp8", "rollout.fp8_gemm=cutlass",
                        "+rollout.engine_kwargs.kv_cache_dtype=fp8"],
-            # R3 without per-request seeds: vLLM's V1 runner (which R3 needs) draws seeded requests one at a time
+            # no per-request seeds, alone and with R3: vLLM's V1 runner (which R3 needs) draws seeded requests' noise
+            # one request at a time
             "unseeded": ["rollout.seed_requests=false"],
             "r3u": ["actor.megatron.router_replay=rollout", "rollout.seed_requests=false"],
             "rm": ["reward.models=[{{name:rm,path:'{rm}',placement:colocated}}]"],
