@@ -29,22 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
-
-def timed(fn: Callable[[], None], iters: int, device: torch.device) -> float:
-    """Median wall seconds of `fn` (after two warm-up calls), the device's queue drained around each call."""
-    for _ in range(2):
-        fn()
-    samples = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        samples.append(time.perf_counter() - start)
-    return sorted(samples)[len(samples) // 2]
+from engine import timed  # same folder: median seconds, the device drained after each call
 
 
 def noise_draws(rows: int, vocab: int, device: torch.device) -> tuple[Callable[[], None], Callable[[], None]]:
@@ -118,7 +103,7 @@ def main() -> None:
     print(f"{'rows':>6} {'batched ms':>11} {'seeded ms':>10} {'seeded/batched':>15} {'added ms/step':>14}")
     for rows in args.rows:
         batched, seeded = noise_draws(rows, args.vocab, device)
-        base, each = timed(batched, args.iters, device), timed(seeded, args.iters, device)
+        base, each = timed(batched, args.iters, warmup=2), timed(seeded, args.iters, warmup=2)
         print(f"{rows:>6} {base * 1e3:>11.3f} {each * 1e3:>10.3f} {each / base:>15.2f} {(each - base) * 1e3:>14.3f}")
 
 
