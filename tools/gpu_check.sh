@@ -16,7 +16,7 @@
 # fp8fp32, the read-back test's fp32 scale format; fp8cut, the fused quantiser against torch's, then the read-back
 # on the CUTLASS block GEMM; fp8kv, FP8 weights and KV cache at 1.5B against bench15's JSON of the same lease
 # (ARGS_fp8kv="--variants fp8kvc": on CUTLASS); fp8pair, BF16 then FP8 weights and KV cache on CUTLASS at 1.5B in
-# one run, two steps each (one device call); chaintask then fp8learn, FP8 rollout with token TIS beside BF16 and
+# one run, two steps each (one device call); fp8disk, the same pair through the disk transport; chaintask then fp8learn, FP8 rollout with token TIS beside BF16 and
 # the lr-0 control on the chain task; fp8prof, the 1.5B decode step's kernels in BF16 and FP8 and the
 # quantise-on-send pass, tools/bench/fp8_profile.py; fp8prof7, the same at 7B; moe29seed, R3 at 2.9B with and
 # without rollout.seed_requests, two steps each in one call; seedeng, tools/bench/seeded_sampling.py's whole-engine
@@ -67,6 +67,7 @@ declare -A CMD=(
   [moe26r3]="python3 tools/bench/e2e_gpu.py --shapes moe2.6b --variants r3 --direct none $QUICK $MOE --baseline-json $DIR/e2e_moe.json --json $DIR/e2e_moe_r3.json"
   [fp8fp32]="python3 -m pytest $T/test_fp8_rollout_engine_holds_the_quantised_export_after_every_sync.py -k fp32 -q -s --timeout=480"
   [fp8pair]="python3 tools/bench/e2e_gpu.py --shapes 1.5b --variants none fp8kvc --direct none --steps 2 --no-warm-start --work-dir $DIR/runs --json $DIR/e2e_fp8pair.json"
+  [fp8disk]="python3 tools/bench/e2e_gpu.py --shapes 1.5b --variants disk fp8kvcdisk --direct none --steps 2 --no-warm-start --work-dir $DIR/runs --json $DIR/e2e_fp8disk.json"
   [fp8cut]="python3 -m pytest $T/test_fp8_fused_quantiser_matches_torch_bit_for_bit.py -q; python3 -m pytest $T/test_fp8_rollout_engine_holds_the_quantised_export_after_every_sync.py -k cutlass -q -s --timeout=300"
   [fp8kv]="python3 tools/bench/e2e_gpu.py --shapes 1.5b --variants fp8kv --direct none $QUICK --baseline-json $DIR/e2e_1.5b.json --json $DIR/e2e_fp8kv.json"
   [fp8prof]="python3 tools/bench/fp8_profile.py --shape 1.5b --variants bf16 fp8kvc --batch 256 512 --gpu-memory-utilization 0.8 --json $DIR/fp8prof.json"
@@ -75,7 +76,7 @@ declare -A CMD=(
   [fp8learn]="python3 tools/bench/learn_gpu.py --shape 0.1b --task $DIR/chain/task --out $DIR/fp8learn --stages grpo control --grpo-runs 1:1:5e-6 1:1:5e-6:fp8 --side-by-side --grpo-seconds 300 --control-seconds 300"
   [engine]="python3 -m pytest $T/test_bridge_export_matches_hf_on_cuda.py $T/test_engine_sdpa_attention_loss_matches_local_spec_on_cuda.py $T/test_engine_tp1_on_gpu_matches_hf.py $T/test_weight_sync_cuda_ipc_delivers_bit_identical_stream.py -q --timeout=300"
 )
-declare -A LIMIT=([sleep]=300 [learn]=600 [bench05]=480 [peak]=600 [async]=400 [bench15]=600 [engine]=300 [genlayers]=600 [corr]=600 [lora]=600 [moe]=480 [onecopy]=600 [chain]=2400 [fp8]=1800 [rm]=480 [moe26]=540 [moe26r3]=480 [moe26both]=570 [moeprof]=360 [moeupd]=240 [moe29]=540 [moe29r3]=420 [fp8fp32]=480 [fp8cut]=300 [fp8pair]=580 [fp8kv]=560 [fp8prof]=540 [fp8prof7]=590 [chaintask]=420 [fp8learn]=560 [moe29seed]=590 [seedeng]=500)
+declare -A LIMIT=([sleep]=300 [learn]=600 [bench05]=480 [peak]=600 [async]=400 [bench15]=600 [engine]=300 [genlayers]=600 [corr]=600 [lora]=600 [moe]=480 [onecopy]=600 [chain]=2400 [fp8]=1800 [rm]=480 [moe26]=540 [moe26r3]=480 [moe26both]=570 [moeprof]=360 [moeupd]=240 [moe29]=540 [moe29r3]=420 [fp8fp32]=480 [fp8cut]=300 [fp8pair]=580 [fp8disk]=590 [fp8kv]=560 [fp8prof]=540 [fp8prof7]=590 [chaintask]=420 [fp8learn]=560 [moe29seed]=590 [seedeng]=500)
 STAGES=("$@"); [[ ${#STAGES[@]} == 0 ]] && STAGES=(sleep learn bench05 peak async bench15 engine)
 # MIRROR=FOLDER (a device call's $OUT): copy the summary, the logs, the JSON figures and every run's metrics.jsonl
 # there every 15 s and at the end, so a call the lease cuts short still brings back what the stages wrote.

@@ -58,6 +58,11 @@ VARIANTS = {"none": [], "fp8": ["rollout.quantization=fp8"], "r3": ["actor.megat
             "fp8c": ["rollout.quantization=fp8", "rollout.fp8_gemm=cutlass"],
             "fp8kvc": ["rollout.quantization=fp8", "rollout.fp8_gemm=cutlass",
                        "+rollout.engine_kwargs.kv_cache_dtype=fp8"],
+            # the pair above through the `disk` transport, where a sync's time follows its bytes (on `ipc` it
+            # follows its tensor count: docs/fp8.md)
+            "disk": ["weight_sync.transport=disk"],
+            "fp8kvcdisk": ["rollout.quantization=fp8", "rollout.fp8_gemm=cutlass",
+                           "+rollout.engine_kwargs.kv_cache_dtype=fp8", "weight_sync.transport=disk"],
             # no per-request seeds, alone and with R3: vLLM's V1 runner (which R3 needs) draws seeded requests' noise
             # one request at a time
             "unseeded": ["rollout.seed_requests=false"],
