@@ -72,7 +72,7 @@ declare -A CMD=(
   [fp8kv]="python3 tools/bench/e2e_gpu.py --shapes 1.5b --variants fp8kv --direct none $QUICK --baseline-json $DIR/e2e_1.5b.json --json $DIR/e2e_fp8kv.json"
   [fp8prof]="python3 tools/bench/fp8_profile.py --shape 1.5b --variants bf16 fp8kvc --batch 256 512 --gpu-memory-utilization 0.8 --json $DIR/fp8prof.json"
   [fp8prof7]="python3 tools/bench/fp8_profile.py --shape 7b --variants bf16 fp8kvc --batch 256 --gpu-memory-utilization 0.8 --repeats 3 --json $DIR/fp8prof7.json"
-  [chaintask]="python3 tools/bench/learn_gpu.py --shape 0.1b --write-task $DIR/chain"
+  [chaintask]="python3 tools/bench/learn_gpu.py --shape 0.1b --write-task $DIR/chain --warmup-seconds 240"
   [fp8learn]="python3 tools/bench/learn_gpu.py --shape 0.1b --task $DIR/chain/task --out $DIR/fp8learn --stages grpo control --grpo-runs 1:1:5e-6 1:1:5e-6:fp8 --side-by-side --grpo-seconds 300 --control-seconds 300"
   [engine]="python3 -m pytest $T/test_bridge_export_matches_hf_on_cuda.py $T/test_engine_sdpa_attention_loss_matches_local_spec_on_cuda.py $T/test_engine_tp1_on_gpu_matches_hf.py $T/test_weight_sync_cuda_ipc_delivers_bit_identical_stream.py -q --timeout=300"
 )

@@ -310,9 +310,10 @@ class RolloutConfig:
     ignore_eos: bool = False
     # Seed every request (trainer.seed, the step or group and the sample's index): the same run samples the same
     # tokens. False leaves the draws to the engine's own generator. Why turn it off: vLLM's V1 sampler draws the
-    # noise of seeded requests one request at a time (the draws alone: 2.3 ms more per decode step at 256 running
-    # requests on an H100, tools/bench/seeded_sampling.py), and vLLM 0.25 keeps MoE models other than Qwen2-MoE,
-    # DeepSeek-V2 and Granite-MoE, and runs with R3, on V1; its V2 runner (dense models) draws all rows at once.
+    # noise of seeded requests one request at a time (a 0.5B engine, 256 requests: 1.36x the tokens/s unseeded,
+    # 3.5 ms per decode step, on an H100; tools/bench/seeded_sampling.py), and vLLM 0.25 keeps MoE models other than
+    # Qwen2-MoE, DeepSeek-V2 and Granite-MoE, and runs with R3, on V1 (the MoE recipes turn seeds off); its V2
+    # runner (dense models) draws all rows at once, and seeds cost nothing there.
     seed_requests: bool = True
     # Fraction of device memory the inference engine may take (weights + KV cache): vLLM gpu_memory_utilization,
     # SGLang --mem-fraction-static, TensorRT-LLM kv_cache_config.free_gpu_memory_fraction (a share of the memory
