@@ -51,18 +51,17 @@ HANDOVER = ("handover/sleep", "handover/onload")
 COMPUTE = ("gen", "old_log_prob", "update_actor")
 KEPT = ("timing_s/", "perf/", "memory/", "rollout/", "rollout_corr/", "weight_sync/", "actor/")
 SMOKE = dict(vocab_size=512)  # `--shapes smoke`: the tiny default shape, to try the benchmark on a CPU
+FP8_KV_CUTLASS = ["rollout.quantization=fp8", "rollout.fp8_gemm=cutlass", "+rollout.engine_kwargs.kv_cache_dtype=fp8"]
+DISK = "weight_sync.transport=disk"
 VARIANTS = {"none": [], "fp8": ["rollout.quantization=fp8"], "r3": ["actor.megatron.router_replay=rollout"],
             # FP8 weights and KV cache: at 1.5B, 256 sequences of 1k tokens, FP8 weights alone gave 1.05-1.12x
             "fp8kv": ["rollout.quantization=fp8", "+rollout.engine_kwargs.kv_cache_dtype=fp8"],
             # the same on vLLM's precompiled CUTLASS block GEMM instead of DeepGEMM (no JIT warm-up at the start)
             "fp8c": ["rollout.quantization=fp8", "rollout.fp8_gemm=cutlass"],
-            "fp8kvc": ["rollout.quantization=fp8", "rollout.fp8_gemm=cutlass",
-                       "+rollout.engine_kwargs.kv_cache_dtype=fp8"],
-            # the pair above through the `disk` transport, where a sync's time follows its bytes (on `ipc` it
+            "fp8kvc": FP8_KV_CUTLASS,
+            # the pair none / fp8kvc through the `disk` transport, where a sync's time follows its bytes (on `ipc` it
             # follows its tensor count: docs/fp8.md)
-            "disk": ["weight_sync.transport=disk"],
-            "fp8kvcdisk": ["rollout.quantization=fp8", "rollout.fp8_gemm=cutlass",
-                           "+rollout.engine_kwargs.kv_cache_dtype=fp8", "weight_sync.transport=disk"],
+            "disk": [DISK], "fp8kvcdisk": [*FP8_KV_CUTLASS, DISK],
             # no per-request seeds, alone and with R3: vLLM's V1 runner (which R3 needs) draws seeded requests' noise
             # one request at a time
             "unseeded": ["rollout.seed_requests=false"],
