@@ -17,8 +17,9 @@
 # on the CUTLASS block GEMM; fp8kv, FP8 weights and KV cache at 1.5B against bench15's JSON of the same lease
 # (ARGS_fp8kv="--variants fp8kvc": on CUTLASS); fp8pair, BF16 then FP8 weights and KV cache on CUTLASS at 1.5B in
 # one run, two steps each (one device call); fp8disk, the same pair through the disk transport; chaintask then
-# fp8learn, FP8 rollout with token TIS beside BF16 and the lr-0 control on the chain task; fp8prof, the 1.5B decode step's kernels in BF16 and FP8 and the
-# quantise-on-send pass, tools/bench/fp8_profile.py; fp8prof7, the same at 7B; moe29seed, R3 at 2.9B with and
+# fp8learn, FP8 rollout with token TIS beside BF16 and the lr-0 control on the chain task; fp8prof, the 1.5B
+# decode step's kernels in BF16 and FP8 and the quantise-on-send pass, tools/bench/fp8_profile.py; fp8prof7, the
+# same at 7B; moe29seed, R3 at 2.9B with and
 # without rollout.seed_requests, two steps each in one call; seedeng, tools/bench/seeded_sampling.py's whole-engine
 # comparison at 0.5B on vLLM's V1 runner, then on the one vLLM picks).
 # STAGE:SECONDS overrides a stage's time limit (a tight device lease);
