@@ -313,7 +313,8 @@ class RolloutConfig:
     # noise of seeded requests one request at a time (a 0.5B engine, 256 requests: 1.36x the tokens/s unseeded,
     # 3.5 ms per decode step, on an H100; tools/bench/seeded_sampling.py), and vLLM 0.25 keeps MoE models other than
     # Qwen2-MoE, DeepSeek-V2 and Granite-MoE, and runs with R3, on V1 (the MoE recipes turn seeds off); its V2
-    # runner (dense models) draws all rows at once, and seeds cost nothing there.
+    # runner (dense models) draws all rows at once, and seeds cost nothing there. Start-up logs a note when seeds
+    # meet the V1 runner on CUDA.
     seed_requests: bool = True
     # Fraction of device memory the inference engine may take (weights + KV cache): vLLM gpu_memory_utilization,
     # SGLang --mem-fraction-static, TensorRT-LLM kv_cache_config.free_gpu_memory_fraction (a share of the memory

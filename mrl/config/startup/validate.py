@@ -17,6 +17,7 @@ engine_capabilities.py, model_shape.py).
 
 import contextvars
 import json
+import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -37,6 +38,10 @@ PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", 
 
 Rule = Callable[[Any, bool], Iterable[Violation]]
 RULES: list[Rule] = []
+# Rules whose findings are notes, not errors: a setting that runs but costs more than its user may know. Each
+# note is logged as one `mrl: note: <setting>=<value>: <why>` line once the configuration passes.
+ADVICE: list[Rule] = []
+_log = logging.getLogger("mrl.config")
 
 
 def rule(fn: Rule) -> Rule:
@@ -44,18 +49,29 @@ def rule(fn: Rule) -> Rule:
     return fn
 
 
-def validate(cfg: DictConfig | Any, check_paths: bool = True, model_config: dict[str, Any] | None = None) -> None:
-    """Raise ConfigError if any rule fails. `check_paths=False` for planning recipes whose model is not here;
-    `model_config` (an HF config dict) then stands in for the model folder's config.json in the shape rules."""
+def advice(fn: Rule) -> Rule:
+    ADVICE.append(fn)
+    return fn
+
+
+def validate(cfg: DictConfig | Any, check_paths: bool = True, model_config: dict[str, Any] | None = None
+             ) -> list[Violation]:
+    """Raise ConfigError if any rule fails, else log and return the advice's notes. `check_paths=False` for
+    planning recipes whose model is not here; `model_config` (an HF config dict) then stands in for the model
+    folder's config.json in the shape rules."""
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.structured(cfg)
     token = _PLANNED_MODEL.set(model_config)
     try:
         violations = [v for r in RULES for v in r(cfg, check_paths)]
+        notes = [] if violations else [v for r in ADVICE for v in r(cfg, check_paths)]
     finally:
         _PLANNED_MODEL.reset(token)
     if violations:
         raise ConfigError(violations)
+    for note in notes:
+        _log.warning("mrl: note: %s", note)
+    return notes
 
 
 def _get(cfg: DictConfig, path: str) -> Any:
@@ -125,4 +141,4 @@ from mrl.config.startup import (  # noqa: E402, F401, I001
     layout_rules, resource_rules, rollout_rules, algorithm_rules, lora_rules, backend_rules, field_rules, reward_rules,
 )
 
-__all__ = ["ConfigError", "Violation", "hf_config", "rule", "trainer_world_size", "validate"]
+__all__ = ["ConfigError", "Violation", "advice", "hf_config", "rule", "trainer_world_size", "validate"]
