@@ -83,7 +83,9 @@ STAGES=("$@"); [[ ${#STAGES[@]} == 0 ]] && STAGES=(sleep learn bench05 peak asyn
 # there every 15 s and at the end, so a call the lease cuts short still brings back what the stages wrote.
 mirror() {
   cp "$DIR"/summary.txt "$DIR"/*.log "$DIR"/*.json "$MIRROR"/ 2>/dev/null
-  find "$DIR" -name metrics.jsonl 2>/dev/null | while read -r f; do cp "$f" "$MIRROR/$(echo "${f#"$DIR"/}" | tr '/+' '__')"; done
+  # every run's metrics, and the logs one folder down (learn_gpu.py's side-by-side runs log there, one per run)
+  { find "$DIR" -name metrics.jsonl; find "$DIR" -mindepth 2 -maxdepth 2 -name '*.log'; } 2>/dev/null |
+    while read -r f; do cp "$f" "$MIRROR/$(echo "${f#"$DIR"/}" | tr '/+' '__')"; done
 }
 if [[ -n "${MIRROR:-}" ]]; then
   mkdir -p "$MIRROR"; (while sleep 15; do mirror; done) & MIRROR_LOOP=$!
