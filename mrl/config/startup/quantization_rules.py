@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from mrl.config.startup.validate import Violation, advice, hf_config, rule
+from mrl.config.startup.validate import Violation, advice, hf_config, on_cuda, rule
 
 SETTING = "rollout.quantization"
 QUANTIZATIONS = (None, "fp8")
@@ -56,7 +56,7 @@ def _quantization(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
     if _get(cfg, "actor.lora.enable") and _get(cfg, "actor.lora.sync") == "adapter":
         yield Violation("actor.lora.sync", "adapter", "rollout.quantization=fp8 with adapters served on an FP8 base "
                                                       "is untested: use actor.lora.sync=merged")
-    reason = device_reason(_get(cfg, "trainer.device"))
+    reason = device_reason(on_cuda(cfg))
     if reason:
         yield Violation(SETTING, value, f"vLLM cannot run block FP8 here: {reason}; set rollout.quantization=null")
     hf = hf_config(cfg, check_paths)
@@ -64,12 +64,11 @@ def _quantization(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
         yield from _block_shapes(hf, _get(cfg, "rollout.tensor_model_parallel_size"))
 
 
-def device_reason(device: str) -> str | None:
-    """Why this machine's rollout device (trainer.device; auto: CUDA when present) has no block-FP8 kernel, or
-    None."""
+def device_reason(cuda: bool) -> str | None:
+    """Why the run's rollout device (CUDA when `cuda`, else this CPU) has no block-FP8 kernel, or None."""
     import torch
 
-    if torch.cuda.is_available() if device == "auto" else device == "cuda":
+    if cuda:
         if not torch.cuda.is_available():
             return None  # judged on the machine that runs it
         capability = torch.cuda.get_device_capability()

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from mrl.config.engine_capabilities import ROUTING_BACKENDS, vllm_routing_unsupported, vllm_v1_runner_reason
 from mrl.config.engine_fields import shadowed_settings
 from mrl.config.model_shape import num_experts
-from mrl.config.startup.validate import Violation, _at_least, _get, _one_of, advice, hf_config, rule
+from mrl.config.startup.validate import Violation, _at_least, _get, _one_of, advice, hf_config, on_cuda, rule
 from mrl.utils.network import is_loopback
 
 
@@ -155,7 +155,7 @@ def _r3_backend(cfg: DictConfig) -> Iterator[Violation]:
         yield Violation(setting, "rollout", f"R3 replays the engine's routing; rollout.name={name} does not return "
                                             f"it (backends that do: {', '.join(ROUTING_BACKENDS)}, vllm on CUDA)")
         return
-    reason = vllm_routing_unsupported(_on_cuda(cfg))
+    reason = vllm_routing_unsupported(on_cuda(cfg))
     if reason:
         yield Violation(setting, "rollout", f"R3 replays the engine's routing; rollout.name=vllm {reason}")
     if _get(cfg, "rollout.pipeline_model_parallel_size") > 1:
@@ -170,9 +170,7 @@ def _r3_backend(cfg: DictConfig) -> Iterator[Violation]:
 def _seeds_on_vllms_v1_runner(cfg: DictConfig, check_paths: bool) -> Iterator[Violation]:
     """Per-request seeds cost vLLM's V1 runner a per-request sampler path on every decode step (1.36× tokens/s
     without them at 0.5B on an H100; none on V2: docs/recipes.md). A CPU rollout is not judged: not measured there."""
-    if _get(cfg, "rollout.name") != "vllm" or not _get(cfg, "rollout.seed_requests"):
-        return
-    if not _on_cuda(cfg):
+    if _get(cfg, "rollout.name") != "vllm" or not _get(cfg, "rollout.seed_requests") or not on_cuda(cfg):
         return
     hf = hf_config(cfg, check_paths) or {}
     reason = vllm_v1_runner_reason(list(hf.get("architectures") or []), bool(num_experts(hf)),
@@ -183,12 +181,3 @@ def _seeds_on_vllms_v1_runner(cfg: DictConfig, check_paths: bool) -> Iterator[Vi
                         "(1.36× tokens/s without them at 0.5B, docs/recipes.md); set it false unless each sample "
                         "must be reproducible on its own")
 
-
-def _on_cuda(cfg: DictConfig) -> bool:
-    """Whether the run builds on CUDA, judged like the build's device choice (trainer.device; auto: CUDA present)."""
-    device = _get(cfg, "trainer.device")
-    if device != "auto":
-        return device == "cuda"
-    import torch
-
-    return torch.cuda.is_available()

@@ -89,6 +89,16 @@ def _at_least(cfg: DictConfig, path: str, low: float) -> Iterator[Violation]:
         yield Violation(path, value, f"must be >= {low}")
 
 
+def on_cuda(cfg: DictConfig) -> bool:
+    """Whether the run builds on CUDA, judged like the build's device choice (trainer.device; auto: CUDA present)."""
+    device = _get(cfg, "trainer.device")
+    if device != "auto":
+        return device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def trainer_world_size(cfg: DictConfig) -> int:
     return _get(cfg, "resources.nnodes") * _get(cfg, "resources.n_gpus_per_node")
 
@@ -141,4 +151,4 @@ from mrl.config.startup import (  # noqa: E402, F401, I001
     layout_rules, resource_rules, rollout_rules, algorithm_rules, lora_rules, backend_rules, field_rules, reward_rules,
 )
 
-__all__ = ["ConfigError", "Violation", "advice", "hf_config", "rule", "trainer_world_size", "validate"]
+__all__ = ["ConfigError", "Violation", "advice", "hf_config", "on_cuda", "rule", "trainer_world_size", "validate"]
