@@ -180,4 +180,3 @@ def _seeds_on_vllms_v1_runner(cfg: DictConfig, check_paths: bool) -> Iterator[Vi
                         f"vLLM runs this model on its V1 runner ({reason}), where per-request seeds slow generation "
                         "(1.36× tokens/s without them at 0.5B, docs/recipes.md); set it false unless each sample "
                         "must be reproducible on its own")
-
