@@ -79,13 +79,15 @@ declare -A CMD=(
 )
 declare -A LIMIT=([sleep]=300 [learn]=600 [bench05]=480 [peak]=600 [async]=400 [bench15]=600 [engine]=300 [genlayers]=600 [corr]=600 [lora]=600 [moe]=480 [onecopy]=600 [chain]=2400 [fp8]=1800 [rm]=480 [moe26]=540 [moe26r3]=480 [moe26both]=570 [moeprof]=360 [moeupd]=240 [moe29]=540 [moe29r3]=420 [fp8fp32]=480 [fp8cut]=300 [fp8pair]=580 [fp8disk]=590 [fp8kv]=560 [fp8prof]=540 [fp8prof7]=590 [chaintask]=420 [fp8learn]=560 [moe29seed]=590 [seedeng]=500)
 STAGES=("$@"); [[ ${#STAGES[@]} == 0 ]] && STAGES=(sleep learn bench05 peak async bench15 engine)
-# MIRROR=FOLDER (a device call's $OUT): copy the summary, the logs, the JSON figures and every run's metrics.jsonl
-# there every 15 s and at the end, so a call the lease cuts short still brings back what the stages wrote.
+# MIRROR=FOLDER (a device call's $OUT): copy the summary there, and pack the logs, the JSON figures, the plots and
+# every run's metrics.jsonl into one archive there (stage_files.tar.gz), every 15 s and at the end, so a call the lease
+# cuts short still brings back what the stages wrote. One archive: the device tool brings back at most 8 files of a
+# call, and learn_gpu.py's side-by-side runs alone write 7 (the seventeenth lease lost two runs' metrics that way).
 mirror() {
-  cp "$DIR"/summary.txt "$DIR"/*.log "$DIR"/*.json "$MIRROR"/ 2>/dev/null
-  # every run's metrics, and the logs one folder down (learn_gpu.py's side-by-side runs log there, one per run)
-  { find "$DIR" -name metrics.jsonl; find "$DIR" -mindepth 2 -maxdepth 2 -name '*.log'; } 2>/dev/null |
-    while read -r f; do cp "$f" "$MIRROR/$(echo "${f#"$DIR"/}" | tr '/+' '__')"; done
+  cp "$DIR"/summary.txt "$MIRROR"/ 2>/dev/null
+  (cd "$DIR" && { find . -maxdepth 1 \( -name '*.log' -o -name '*.json' \); find . -name metrics.jsonl
+                  find . -mindepth 2 -maxdepth 2 \( -name '*.log' -o -name '*.json' -o -name '*.png' \); } 2>/dev/null |
+     tar czf "$MIRROR/stage_files.partial" -T - 2>/dev/null) && mv "$MIRROR/stage_files.partial" "$MIRROR/stage_files.tar.gz"
 }
 if [[ -n "${MIRROR:-}" ]]; then
   mkdir -p "$MIRROR"; (while sleep 15; do mirror; done) & MIRROR_LOOP=$!
@@ -112,8 +114,9 @@ for named in "${STAGES[@]}"; do
   if [[ $rc == 124 ]]; then pkill -USR1 -f "ray::|EngineCore" > /dev/null 2>&1; sleep 3; lines=400; fi
   # The engines and workers log into Ray's session folder, not the stage's log: keep the tails of this stage's
   # (vLLM's own log, its throughput lines included, goes to the workers' stdout, the .out files).
-  find /tmp/ray/session_latest/logs \( -name '*.err' -o -name '*.out' \) -newer "$DIR/.stage_start" -size +0 -exec tail -n "$lines" {} + \
-    > "$DIR/$stage.ray.log" 2>/dev/null
+  # Every Ray session's, not only the latest: learn_gpu.py's side-by-side runs each start a cluster of their own.
+  find /tmp/ray -path '*/logs/*' \( -name '*.err' -o -name '*.out' \) -newer "$DIR/.stage_start" -size +0 \
+    -exec tail -n "$lines" {} + > "$DIR/$stage.ray.log" 2>/dev/null
   kill_leftovers; sleep 3  # a stage killed at its limit leaves its engine
   echo "=== $stage rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$DIR/summary.txt"
   grep -E "passed|failed|error|ratios|^== |Error|assert|direct/path|direct \\||client \\||agent x|^engine [0-9a-z.]+, " "$DIR/$stage.log" | tail -n 8 >> "$DIR/summary.txt"

@@ -2,7 +2,8 @@
 throughput and MFU, peak memory per phase).
 
 Input: `RUN_DIR/metrics.jsonl` (or a .jsonl path), as the trainer's `RunLogger` (mrl/trainer/metrics.py) writes it:
-one JSON object per line with `step` and flat metric keys. The keys drawn:
+one JSON object per line with `step` and flat metric keys; or a console log (`.log`), whose step lines give what
+they show (ConsoleLogger.parse), when a run's metrics.jsonl was lost. The keys drawn:
 
 | panel | keys |
 | --- | --- |
@@ -44,12 +45,17 @@ NESTED_STAGES = {"timing_s/reward": "timing_s/gen",
 
 def metrics_file(run: str | Path) -> Path:
     path = Path(run)
-    return path if path.suffix == ".jsonl" else path / "metrics.jsonl"
+    return path if path.suffix in (".jsonl", ".log") else path / "metrics.jsonl"
 
 
 def load_records(path: Path) -> list[dict[str, Any]]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of a metrics.jsonl, or of a console log (`.log`: the steps' console lines, what they show)."""
+    with open(path, errors="replace") as f:
+        if path.suffix != ".log":
+            return [json.loads(line) for line in f if line.strip()]
+        from mrl.trainer.loggers import ConsoleLogger
+
+        return [{"step": step, **metrics} for step, metrics in filter(None, map(ConsoleLogger.parse, f))]
 
 
 def series(records: Iterable[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
@@ -227,8 +233,9 @@ def render_comparison(runs: dict[str, list[dict[str, Any]]], out: str | Path, *,
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Not `run`: mrl/cli.py stores the subcommand's entry point under that name.
     parser.add_argument("run_dir", nargs="+",
-                        help="a run folder with metrics.jsonl (trainer.default_local_dir), or a .jsonl; several: "
-                             "their curves side by side (accuracy, reward, length, mismatch, entropy, grad norm)")
+                        help="a run folder with metrics.jsonl (trainer.default_local_dir), a .jsonl, or a console "
+                             "log (.log: what its step lines show); several: their curves side by side (accuracy, "
+                             "reward, length, mismatch, entropy, grad norm)")
     parser.add_argument("--out", default=None, help="PNG path (default: <first run folder>/report.png)")
     parser.add_argument("--dpi", type=int, default=120)
 
@@ -244,7 +251,8 @@ def run(args: argparse.Namespace) -> int:
     path = paths[0]
     out = Path(args.out) if args.out else path.parent / "report.png"
     if len(paths) > 1:
-        missing = render_comparison({p.parent.name: load_records(p) for p in paths}, out, dpi=args.dpi)
+        names = [p.parent.name if p.name == "metrics.jsonl" else p.stem for p in paths]
+        missing = render_comparison({n: load_records(p) for n, p in zip(names, paths)}, out, dpi=args.dpi)
         print(f"wrote {out}" + (f" (no run had {', '.join(missing)})" if missing else ""))
         return 0
     records = load_records(path)

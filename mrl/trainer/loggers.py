@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -139,6 +140,27 @@ class ConsoleLogger:
         if parts:
             text.append(" │ " + " │ ".join(parts))
         return text
+
+    @classmethod
+    def parse(cls, line: str) -> tuple[int, dict[str, float]] | None:
+        """(step, metrics) of a line `line()` printed, as far as it shows them (at its rounding; no ETA), or None
+        for any other line: a run whose metrics.jsonl was lost still plots from its console log (`mrl report`)."""
+        head = re.match(r"step (\d+)(?:/\d+)? ", line)
+        if head is None:
+            return None
+        fields = {label: (key, fmt) for key, label, fmt in cls.FIELDS}
+        stages = {label: key for key, label in cls.STAGES}
+        metrics: dict[str, float] = {}
+        for part in line.split("│")[1:]:
+            words = part.split()
+            if len(words) == 2 and words[0] in fields:
+                key, fmt = fields[words[0]]
+                percent = fmt.endswith("%}")
+                metrics[key] = float(words[1].rstrip("%")) / 100 if percent else float(words[1])
+            elif words and words[0] in stages:  # "gen 6.89s old_lp 2.40s ..."
+                for label, value in zip(words[::2], words[1::2]):
+                    metrics[f"timing_s/{stages[label]}"] = float(value.removesuffix("s"))
+        return int(head.group(1)), metrics
 
     def close(self) -> None:
         return None

@@ -80,3 +80,38 @@ def test_every_panel_has_a_y_label_throughput_and_mfu_apart_and_step_1_does_not_
     later_peak = max(r["timing_s/step"] for r in records[2:])
     assert timing.get_ylim()[1] < 1.2 * later_peak  # scaled to the later steps
     assert any("warm-up" in t.get_text() for t in timing.texts)
+
+
+def test_console_log_gives_back_what_its_step_lines_show_and_plots(tmp_path):
+    """A run whose metrics.jsonl was lost (a device call brought back only its console output) still plots: each
+    step line parses back to the metrics it shows, at its rounding; other lines are skipped."""
+    import io
+
+    from rich.console import Console
+
+    from mrl.trainer.loggers import ConsoleLogger
+
+    logs = []
+    for name, slope in (("rising", 0.04), ("flat", 0.0)):
+        out = io.StringIO()
+        logger = ConsoleLogger(total_steps=30, console=Console(file=out, width=80, highlight=False))
+        out.write("[mrl] rollout replicas serving (vllm) (56.6 s)\n")
+        for step in range(1, 21):
+            logger.log(step, {"reward/mean": 0.1 + slope * step, "response_length/mean": 264.54,
+                              "rollout/logprob_mismatch": 1.000213, "perf/mfu": 0.0177, "perf/tokens_per_s": 12765.4,
+                              "timing_s/gen": 6.894, "timing_s/update_weights": 1.857, "timing_s/step": 9.0,
+                              **({"val/greedy_acc": 0.2 + slope * step} if step % 5 == 0 else {})})
+        path = tmp_path / f"{name}.log"
+        path.write_text(out.getvalue())
+        logs.append(path)
+    records = load_records(logs[0])
+    assert [r["step"] for r in records] == list(range(1, 21))
+    assert records[4] == {"step": 5, "reward/mean": 0.3, "response_length/mean": 264.5, "val/greedy_acc": 0.4,
+                          "rollout/logprob_mismatch": 1.00021, "perf/tokens_per_s": 12765.0, "perf/mfu": 0.0177,
+                          "timing_s/gen": 6.89, "timing_s/update_weights": 1.86}
+    assert series(records, "val/greedy_acc") == ([5, 10, 15, 20], [0.4, 0.6, 0.8, 1.0])
+    assert ConsoleLogger.parse("steps 3 are left") is None
+    png = tmp_path / "both.png"
+    assert main(["report", *map(str, logs), "--out", str(png)]) == 0
+    with Image.open(png) as img:
+        assert img.format == "PNG" and img.width >= 1000
