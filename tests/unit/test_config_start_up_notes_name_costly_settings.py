@@ -1,7 +1,7 @@
 """Start-up advice: a configuration that runs but costs more than its user may know passes with a logged note.
 Per-request seeds slow vLLM's V1 runner (docs/recipes.md), which vLLM 0.25 picks for most MoE architectures and
 for R3; dense models and the MoE architectures it runs on V2 get no note. FP8 rollout without a rollout correction
-gets one (docs/fp8.md)."""
+gets one, and so does FP8 on DeepGEMM on CUDA, whose first start on a machine compiles its kernels (docs/fp8.md)."""
 
 import logging
 
@@ -74,3 +74,16 @@ def test_fp8_rollout_without_a_correction_gets_a_note(monkeypatch, correction, n
     notes = _notes(qwen2_5_1_5b, [*fp8, *correction])
     assert [n.split(":")[0] for n in notes] == (["rollout.quantization"] if noted else [])
     assert not noted or "rollout_is=token" in notes[0]
+
+
+@pytest.mark.parametrize(("overrides", "noted"), [
+    (["trainer.device=cuda"], True), (["trainer.device=cuda", "rollout.fp8_gemm=cutlass"], False),
+    (["trainer.device=cpu"], False)])
+def test_fp8_on_deepgemm_on_cuda_gets_a_note_on_its_first_start_compile(monkeypatch, overrides, noted):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    fp8 = ["rollout.quantization=fp8", "actor.megatron.params_dtype=bfloat16",
+           "algorithm.rollout_correction.rollout_is=token"]
+    qwen2_5_1_5b = {**DENSE, "hidden_size": 1536, "num_attention_heads": 12, "intermediate_size": 8960}
+    notes = _notes(qwen2_5_1_5b, [*fp8, *overrides])
+    assert [n.split(":")[0] for n in notes] == (["rollout.fp8_gemm"] if noted else [])
+    assert not noted or "rollout.fp8_gemm=cutlass compiles none" in notes[0]

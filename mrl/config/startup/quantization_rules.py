@@ -2,7 +2,8 @@
 quantised export (not the trainer's own storages), an engine dtype vLLM's FP8 layers compute in, a device with
 vLLM's block-FP8 kernels, and layer sizes whose 128-row blocks line up with vLLM's fused and TP-split layers.
 Each of these would otherwise fail at the engine's start or at the first weight sync.
-FP8 without a rollout correction runs, with a start-up note (`@advice`).
+FP8 without a rollout correction runs, with a start-up note (`@advice`), and so does DeepGEMM on CUDA, whose first
+start on a machine compiles its kernels.
 
 Registered with `@rule` like those of `mrl/config/startup/validate.py`, which imports this module through backend_rules.
 """
@@ -97,6 +98,19 @@ def _block_shapes(hf: dict[str, Any], tp: int) -> Iterator[Violation]:
             yield Violation(SETTING, "fp8", f"the model's {what} = {size} over rollout TP {tp} is not a multiple of "
                                             f"{BLOCK} rows, which vLLM's block-FP8 layers need; use "
                                             "rollout.quantization=null (or another TP)")
+
+
+@advice
+def _deepgemm_compiles_at_first_start(cfg: DictConfig, _: bool) -> Iterator[Violation]:
+    """vLLM compiles DeepGEMM's FP8 kernels for each weight shape while an engine starts, into a cache on the
+    machine's disk: the first FP8 start on a fresh machine pays minutes for it, which a device lease or a job's
+    start-up timeout may not allow for (docs/fp8.md, "The engine's GEMM")."""
+    if _get(cfg, SETTING) == "fp8" and _get(cfg, "rollout.fp8_gemm") == "deepgemm" and on_cuda(cfg):
+        yield Violation("rollout.fp8_gemm", "deepgemm", "vLLM compiles DeepGEMM's kernels for each weight shape the "
+                                                        "first time an FP8 engine starts on a machine (on an H100 "
+                                                        "a 1.5B engine served after 305 s, 99 s with cutlass; a "
+                                                        "0.1B one 316 s, then 57 s once cached: docs/fp8.md); on "
+                                                        "Hopper rollout.fp8_gemm=cutlass compiles none")
 
 
 @advice
