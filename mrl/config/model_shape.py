@@ -8,7 +8,8 @@ from the built-in table: the published `config.json` values of each recipe famil
 Counts follow the HF module layout of the supported families (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3):
 attention (GQA with optional q/k/v biases and q/k norms, or MLA's low-rank q and kv paths), a gated MLP or routed
 experts (+ shared experts and a router), two RMSNorms per layer, embeddings and an untied output layer.
-DeepSeek-V3's multi-token-prediction layers are left out, as the bridges leave them out.
+DeepSeek-V3's multi-token-prediction layers are left out, as the bridges leave them out. With rollout.quantization=fp8
+the export's bytes count the linear weights as block FP8 (`ModelShape.export_bytes`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from mrl.config import RECIPES_DIR
 # Qwen2's attention always has q/k/v biases (the HF model hard-codes them, config.json does not say so).
 _QKV_BIAS_ALWAYS = {"qwen2"}
 _QK_NORM = {"qwen3", "qwen3_moe"}
+_SCORE_CORRECTION_BIAS = {"deepseek_v3"}  # a router buffer per MoE layer (one value per expert) the bridge exports
+FP8_BLOCK = 128  # mrl/weight_sync/fp8.py BLOCK (not imported: that module imports torch)
 
 
 @dataclass(frozen=True)
@@ -44,10 +47,23 @@ class ModelShape:
     active_params: int  # per token: dense parts plus top-k routed experts
     kv_bytes_per_token: int  # all layers, bf16, one full replica (before TP/PP splits)
     kv_heads: int  # KV heads split over rollout TP (0 for MLA, whose latent cache is replicated over TP)
+    # The linear weights rollout.quantization=fp8 sends as block FP8 (attention and MLP projections, experts'
+    # too): their parameters, and their fp32 scales (one per 128 × 128 block, edge blocks partial).
+    quantized_params: int = 0
+    fp8_scales: int = 0
+    exported_buffers: int = 0  # values the export sends beside the parameters (DeepSeek's score-correction bias)
 
     @property
     def total_params(self) -> int:
         return self.embedding_params + self.output_params + self.layer_dense_params + self.layer_expert_params
+
+    def export_bytes(self, quantization: str | None = None) -> int:
+        """Bytes of one full weight export to the rollout engine: bf16, or with `fp8` each linear weight as one byte
+        per parameter plus its scales (mrl/weight_sync/fp8.py) and the rest in bf16."""
+        bf16 = self.total_params + self.exported_buffers
+        if quantization != "fp8":
+            return bf16 * 2
+        return self.quantized_params + 4 * self.fp8_scales + (bf16 - self.quantized_params) * 2
 
     @property
     def is_moe(self) -> bool:
@@ -73,6 +89,27 @@ def _attention_params(c: dict[str, Any]) -> int:
     if c.get("model_type") in _QK_NORM:
         params += 2 * head_dim
     return params
+
+
+def _linear_weights(c: dict[str, Any], moe_layer: bool) -> list[tuple[int, int, int]]:
+    """(rows, columns, how many) of one decoder layer's HF linear weights: its attention and MLP projections (each
+    expert's, the shared experts' as one MLP), which rollout.quantization=fp8 quantises; the router is not one."""
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    if c.get("kv_lora_rank"):  # MLA
+        qk_head, v_head, kv_lora = c["qk_nope_head_dim"] + c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
+        q_lora = c.get("q_lora_rank")
+        q = [(q_lora, h, 1), (heads * qk_head, q_lora, 1)] if q_lora else [(heads * qk_head, h, 1)]
+        kv = [(kv_lora + c["qk_rope_head_dim"], h, 1), (heads * (c["qk_nope_head_dim"] + v_head), kv_lora, 1)]
+        attention = [*q, *kv, (h, heads * v_head, 1)]
+    else:
+        head_dim = c.get("head_dim") or h // heads
+        q_out, kv_out = heads * head_dim, (c.get("num_key_value_heads") or heads) * head_dim
+        attention = [(q_out, h, 1), (kv_out, h, 2), (h, q_out, 1)]
+    if not moe_layer:
+        return [*attention, (c["intermediate_size"], h, 2), (h, c["intermediate_size"], 1)]
+    expert, shared = c["moe_intermediate_size"], (c.get("n_shared_experts") or 0) * c["moe_intermediate_size"]
+    mlp = [(expert, h, 2 * num_experts(c)), (h, expert, num_experts(c))]
+    return attention + mlp + ([(shared, h, 2), (h, shared, 1)] if shared else [])
 
 
 def num_experts(c: dict[str, Any]) -> int:
@@ -113,13 +150,18 @@ def shape_from_config(c: dict[str, Any], name: str = "") -> ModelShape:
     shared = c.get("n_shared_experts") or 0
     router = h * experts  # DeepSeek's score-correction bias is a buffer, not a parameter
     attention, norms = _attention_params(c), 2 * h
-    dense = expert = active = 0
+    dense = expert = active = quantized = scales = buffers = 0
     for layer in range(layers):
-        if _is_moe_layer(c, layer):
+        moe = _is_moe_layer(c, layer)
+        for rows, cols, count in _linear_weights(c, moe):
+            quantized += rows * cols * count
+            scales += -(-rows // FP8_BLOCK) * -(-cols // FP8_BLOCK) * count
+        if moe:
             layer_dense = attention + norms + router + shared * expert_mlp
             dense += layer_dense
             expert += experts * expert_mlp
             active += layer_dense + top_k * expert_mlp
+            buffers += experts if c.get("model_type") in _SCORE_CORRECTION_BIAS else 0
         else:
             dense += attention + norms + mlp
             active += attention + norms + mlp
@@ -140,6 +182,9 @@ def shape_from_config(c: dict[str, Any], name: str = "") -> ModelShape:
         active_params=active + h + embedding + output,
         kv_bytes_per_token=kv_bytes,
         kv_heads=kv_heads,
+        quantized_params=quantized,
+        fp8_scales=scales,
+        exported_buffers=buffers,
     )
 
 

@@ -22,7 +22,8 @@ the critic is a full training engine whose last stage holds a [hidden → 1] val
 projection (mrl/engine/megatron/critic.py).
 
 Rollout engine of one device: vLLM/SGLang take `gpu_memory_utilization` × device memory for weights, a
-profiling reserve and the KV cache, so KV budget = util × device − weights / (TP × PP) − reserve. A KV token costs
+profiling reserve and the KV cache, so KV budget = util × device − weights / (TP × PP) − reserve (weights in bf16,
+or with rollout.quantization=fp8 the linear weights in block FP8). A KV token costs
 2 (K and V) × layers/PP × max(1, kv_heads/TP) × head_dim × 2 bytes (MLA: the latent + rope key, not split over TP).
 """
 
@@ -132,7 +133,7 @@ def rollout_memory(shape: ModelShape, cfg: DictConfig, device_bytes: float, over
     r = cfg.rollout
     tp, pp = r.tensor_model_parallel_size, r.pipeline_model_parallel_size
     reserved = r.gpu_memory_utilization * device_bytes
-    weights = shape.total_params * 2 / (tp * pp)  # served in bf16
+    weights = shape.export_bytes(r.quantization) / (tp * pp)  # what the engine holds: bf16, or block FP8
     kv = reserved - weights - overhead_bytes
     heads_share = 1.0 if shape.kv_heads == 0 else max(1, shape.kv_heads / tp) / shape.kv_heads
     per_token = shape.kv_bytes_per_token * heads_share / pp

@@ -91,7 +91,7 @@ def accounting(cfg: DictConfig, shape: ModelShape) -> Accounting:
     per_device = mini * n / dp
     micro = None if a.use_dynamic_bsz else per_device / (a.ppo_micro_batch_size_per_gpu or 1)
     syncs = updates / ws.parameter_sync_step if cfg.trainer.mode == "separate_async" else 1.0
-    sync_bytes = shape.total_params * 2  # the rollout engine receives bf16 weights
+    sync_bytes = shape.export_bytes(r.quantization)  # bf16, or block FP8 linear weights
     rounds = cfg.data.max_sample_rounds if cfg.data.dynamic_sampling else 1
     return Accounting(
         prompts_per_step=batch,
