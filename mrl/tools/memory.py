@@ -24,7 +24,8 @@ projection (mrl/engine/megatron/critic.py).
 Rollout engine of one device: vLLM/SGLang take `gpu_memory_utilization` × device memory for weights, a
 profiling reserve and the KV cache, so KV budget = util × device − weights / (TP × PP) − reserve (weights in bf16,
 or with rollout.quantization=fp8 the linear weights in block FP8). A KV token costs
-2 (K and V) × layers/PP × max(1, kv_heads/TP) × head_dim × 2 bytes (MLA: the latent + rope key, not split over TP).
+2 (K and V) × layers/PP × max(1, kv_heads/TP) × head_dim × 2 bytes (1 with an FP8 KV cache; MLA: the latent +
+rope key, not split over TP).
 """
 
 from __future__ import annotations
@@ -136,10 +137,17 @@ def rollout_memory(shape: ModelShape, cfg: DictConfig, device_bytes: float, over
     weights = shape.export_bytes(r.quantization) / (tp * pp)  # what the engine holds: bf16, or block FP8
     kv = reserved - weights - overhead_bytes
     heads_share = 1.0 if shape.kv_heads == 0 else max(1, shape.kv_heads / tp) / shape.kv_heads
-    per_token = shape.kv_bytes_per_token * heads_share / pp
+    per_token = shape.kv_bytes_per_token * heads_share / pp * kv_cache_element_bytes(r) / 2
     tokens = max(int(kv // per_token), 0)
     seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     return RolloutMemory(reserved, weights, overhead_bytes, kv, per_token, tokens, tokens // seq_len)
+
+
+def kv_cache_element_bytes(rollout: DictConfig) -> int:
+    """Bytes of one cached K or V element: 1 with vLLM's FP8 KV cache (`rollout.engine_kwargs.kv_cache_dtype`: fp8,
+    fp8_e4m3, fp8_e5m2, ...), else 2 (the model's bf16)."""
+    dtype = str((rollout.engine_kwargs or {}).get("kv_cache_dtype", "auto"))
+    return 1 if dtype.startswith("fp8") else 2
 
 
 def micro_batch_tokens(cfg: DictConfig) -> int:

@@ -82,6 +82,19 @@ def test_memory_estimate_matches_hand_computed_qwen3_8b_tp2_dp4_bf16():
     assert r.kv_tokens == int(r.kv_cache // kv_per_token)
 
 
+def test_fp8_rollout_halves_the_engines_linear_weights_and_an_fp8_kv_cache_its_token_bytes():
+    base = make_plan("qwen3/8b_grpo", SEED_DEFAULTS)
+    fp8 = make_plan("qwen3/8b_grpo", [*SEED_DEFAULTS, "rollout.quantization=fp8", "trainer.device=cuda",
+                                      "+rollout.engine_kwargs.kv_cache_dtype=fp8"])
+    assert fp8.can_start, fp8.problems
+    a, b = base.memory.rollout, fp8.memory.rollout
+    # bf16 embeddings and output layer (2 × 151,936 × 4,096) stay; the linear weights go to a byte plus 1/4096 scales
+    assert 0.55 < b.weights / a.weights < 0.6 and b.kv_cache == pytest.approx(a.kv_cache + a.weights - b.weights)
+    assert b.kv_bytes_per_token * 2 == a.kv_bytes_per_token
+    assert fp8.accounting.weight_sync_bytes == b.weights * 2  # the whole export, over rollout TP 2
+    assert fp8.accounting.weight_sync_bytes < base.accounting.weight_sync_bytes
+
+
 def test_kv_budget_at_or_below_zero_cannot_start():
     # 0.2 of 80 GiB is 16 GiB, short of 15.3 GiB of unsplit bf16 weights plus the 2 GiB runtime; of 141 GiB it fits.
     overrides = ["rollout.gpu_memory_utilization=0.2", "rollout.tensor_model_parallel_size=1"]
