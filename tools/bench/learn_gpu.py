@@ -89,7 +89,7 @@ class Run:
     seconds: float
     seed: int
     temperature: float
-    fp8: bool = False  # FP8 rollout (rollout.quantization=fp8) with token TIS (docs/fp8.md)
+    fp8: bool = False  # FP8 rollout (rollout.quantization=fp8, CUTLASS GEMM) with token TIS (docs/fp8.md)
 
 
 def planned_runs(args: argparse.Namespace, shape: dict[str, Any]) -> list[Run]:
@@ -220,7 +220,10 @@ def grpo_overrides(args: argparse.Namespace, shape: dict[str, Any], task: dict[s
         f"trainer.seed={run.seed}",
         f"trainer.experiment_name={label}", f"trainer.default_local_dir={out / label}",
         "trainer.logger=[console,jsonl]", "trainer.rollout_dump_per_step=2",
-        *(["rollout.quantization=fp8", "algorithm.rollout_correction.rollout_is=token"] if run.fp8 else []),
+        # CUTLASS: DeepGEMM compiles its kernels at an engine's first start on a machine (316 s against BF16's
+        # 106 s on the seventeenth lease's fresh H100, docs/fp8.md), which a device call cannot spare.
+        *(["rollout.quantization=fp8", "rollout.fp8_gemm=cutlass", "algorithm.rollout_correction.rollout_is=token"]
+          if run.fp8 else []),
         *args.overrides,
     ]
 
