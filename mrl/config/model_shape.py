@@ -70,41 +70,38 @@ class ModelShape:
         return self.layer_expert_params > 0
 
 
-def _attention_params(c: dict[str, Any]) -> int:
-    h, heads = c["hidden_size"], c["num_attention_heads"]
-    if c.get("kv_lora_rank"):  # MLA
-        qk_head = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
-        q_lora = c.get("q_lora_rank")
-        q = h * q_lora + q_lora + q_lora * heads * qk_head if q_lora else h * heads * qk_head
-        kv_lora = c["kv_lora_rank"]
-        kv_up = kv_lora * heads * (c["qk_nope_head_dim"] + c["v_head_dim"])
-        kv = h * (kv_lora + c["qk_rope_head_dim"]) + kv_lora + kv_up
-        return q + kv + heads * c["v_head_dim"] * h
-    head_dim = c.get("head_dim") or h // heads
-    kv_heads = c.get("num_key_value_heads") or heads
-    q_out, kv_out = heads * head_dim, kv_heads * head_dim
-    params = h * (q_out + 2 * kv_out) + q_out * h
-    if c.get("attention_bias") or c.get("model_type") in _QKV_BIAS_ALWAYS:
-        params += q_out + 2 * kv_out
-    if c.get("model_type") in _QK_NORM:
-        params += 2 * head_dim
-    return params
-
-
-def _linear_weights(c: dict[str, Any], moe_layer: bool) -> list[tuple[int, int, int]]:
-    """(rows, columns, how many) of one decoder layer's HF linear weights: its attention and MLP projections (each
-    expert's, the shared experts' as one MLP), which rollout.quantization=fp8 quantises; the router is not one."""
+def _attention_linears(c: dict[str, Any]) -> list[tuple[int, int, int]]:
+    """(rows, columns, how many) of one layer's attention projections as HF shapes them: GQA's q/k/v/o, or MLA's
+    low-rank q and kv paths and o."""
     h, heads = c["hidden_size"], c["num_attention_heads"]
     if c.get("kv_lora_rank"):  # MLA
         qk_head, v_head, kv_lora = c["qk_nope_head_dim"] + c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
         q_lora = c.get("q_lora_rank")
         q = [(q_lora, h, 1), (heads * qk_head, q_lora, 1)] if q_lora else [(heads * qk_head, h, 1)]
         kv = [(kv_lora + c["qk_rope_head_dim"], h, 1), (heads * (c["qk_nope_head_dim"] + v_head), kv_lora, 1)]
-        attention = [*q, *kv, (h, heads * v_head, 1)]
-    else:
-        head_dim = c.get("head_dim") or h // heads
-        q_out, kv_out = heads * head_dim, (c.get("num_key_value_heads") or heads) * head_dim
-        attention = [(q_out, h, 1), (kv_out, h, 2), (h, q_out, 1)]
+        return [*q, *kv, (h, heads * v_head, 1)]
+    head_dim = c.get("head_dim") or h // heads
+    q_out, kv_out = heads * head_dim, (c.get("num_key_value_heads") or heads) * head_dim
+    return [(q_out, h, 1), (kv_out, h, 2), (h, q_out, 1)]
+
+
+def _attention_params(c: dict[str, Any]) -> int:
+    """The projections plus what is not a linear weight: MLA's two low-rank norms; q/k/v biases, q/k norms."""
+    linears = _attention_linears(c)
+    params = sum(rows * cols * count for rows, cols, count in linears)
+    if c.get("kv_lora_rank"):
+        return params + (c.get("q_lora_rank") or 0) + c["kv_lora_rank"]
+    if c.get("attention_bias") or c.get("model_type") in _QKV_BIAS_ALWAYS:
+        params += sum(rows * count for rows, _, count in linears[:2])  # one per q, k and v output row
+    if c.get("model_type") in _QK_NORM:
+        params += 2 * (c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+    return params
+
+
+def _linear_weights(c: dict[str, Any], moe_layer: bool) -> list[tuple[int, int, int]]:
+    """(rows, columns, how many) of one decoder layer's HF linear weights: its attention and MLP projections (each
+    expert's, the shared experts' as one MLP), which rollout.quantization=fp8 quantises; the router is not one."""
+    h, attention = c["hidden_size"], _attention_linears(c)
     if not moe_layer:
         return [*attention, (c["intermediate_size"], h, 2), (h, c["intermediate_size"], 1)]
     expert, shared = c["moe_intermediate_size"], (c.get("n_shared_experts") or 0) * c["moe_intermediate_size"]
